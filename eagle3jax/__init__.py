@@ -1,0 +1,23 @@
+"""eagle3jax: EAGLE-3 speculative decoding in JAX on sharded device meshes.
+
+Public API:
+"""
+
+# --- Configuration and capture contract ---
+from eagle3jax.capture import CaptureSpec
+from eagle3jax.config import LlamaConfig
+from eagle3jax.rope import RopeConfig
+
+# --- Targets ---
+from eagle3jax.hf_target import init_target, load_target
+from eagle3jax.api import ForwardOutput, forward
+from eagle3jax.llama import LlamaForCausalLM
+from eagle3jax.kv_cache import KVCache
+
+# --- Meshes ---
+from eagle3jax.sharding import make_mesh
+
+__all__ = [
+    "CaptureSpec", "LlamaConfig", "RopeConfig", "init_target", "load_target", "ForwardOutput",
+    "forward", "LlamaForCausalLM", "KVCache", "make_mesh",
+]

@@ -1,0 +1,70 @@
+"""Attention of T new tokens over a KV cache plus a mask among the new tokens.
+
+One semantics for every use (full sequence, prefill, chunked extend, tree verification, draft):
+query ``i`` of row ``b`` sees cache keys ``[0, lengths[b])`` and new key ``j`` (stored at slot
+``lengths[b] + j``) where ``tree_mask[b, i, j]``. The XLA path below materialises the
+``[B, N, T, S]`` scores; ``eagle3jax.kernels.tree_attention`` is the Pallas kernel with the same
+contract, chosen by ``attention_impl``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from eagle3jax.sharding import BATCH, HEAD_DIM, HEADS, KV_HEADS, SEQ, out_spec
+
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
+
+
+def default_attention_impl() -> str:
+  """The Pallas kernel on GPU, the XLA path elsewhere."""
+  return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
+  """Attention ``q [B, T, N, H]`` over ``k, v [B, S, K, H]``; returns ``[B, T, N, H]``.
+
+  ``k``/``v`` already hold the new tokens at ``lengths[b] .. lengths[b] + T - 1``; slots beyond
+  ``lengths[b] + T`` may hold anything (NaN included) and do not affect the result.
+  """
+  if impl == "xla":
+    return _attend_xla(q, k, v, lengths, tree_mask, scale)
+  if impl in ("pallas", "pallas_interpret"):
+    from eagle3jax.kernels import tree_attention_sharded  # pylint: disable=import-outside-toplevel
+    mesh = jax.sharding.get_abstract_mesh()
+    return tree_attention_sharded(q, k, v, lengths, tree_mask, mesh=mesh, sm_scale=scale,
+                                  interpret=impl == "pallas_interpret")
+  raise ValueError(f"attention_impl={impl!r}; choose one of {ATTENTION_IMPLS}")
+
+
+def visibility(lengths: jax.Array, tree_mask: jax.Array, num_slots: int) -> jax.Array:
+  """Boolean ``[B, T, S]``: may query ``i`` of row ``b`` read cache slot ``s``."""
+  t = tree_mask.shape[-1]
+  slots = jnp.arange(num_slots, dtype=jnp.int32)
+  rel = slots[None, None, :] - lengths[:, None, None]                     # [B, 1, S]
+  idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), tree_mask.shape[:2] + (num_slots,))
+  tree_vis = jnp.take_along_axis(tree_mask, idx, axis=2)                  # [B, T, S]
+  return (rel < 0) | ((rel < t) & tree_vis)
+
+
+def _attend_xla(q, k, v, lengths, tree_mask, scale):
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  g = n // kh
+  # Slots past lengths + T are arbitrary memory: zero them so 0 * NaN cannot reach the output.
+  live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + t))[:, :, None, None]
+  k = jnp.where(live, k, jnp.zeros((), k.dtype))
+  v = jnp.where(live, v, jnp.zeros((), v.dtype))
+  qg = q.reshape(b, t, kh, g, h)
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32,
+                      out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, SEQ),
+                                            (b, kh, g, t, s)))
+  scores = scores * scale
+  mask = visibility(lengths, tree_mask, s)[:, None, None, :, :]
+  scores = jnp.where(mask, scores, -1e30)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v, preferred_element_type=jnp.float32,
+                   out_sharding=out_spec((BATCH, SEQ, KV_HEADS, None, HEAD_DIM),
+                                         (b, t, kh, g, h)))
+  return out.reshape(b, t, n, h).astype(q.dtype)

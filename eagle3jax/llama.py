@@ -1,0 +1,219 @@
+"""Llama-family target model (Llama, Qwen2, Qwen3) in Flax NNX.
+
+Axis letters: B batch, T new tokens, S cache slots, D model, F MLP, V vocab, N query heads,
+K kv heads, H head dim.
+
+One forward serves every use: with ``cache=None`` it runs a full sequence (causal); with a
+cache it appends ``T`` tokens at ``positions`` after each row's committed prefix, new token
+``i`` seeing new token ``j`` only where ``tree_mask[b, i, j]`` (prefill is this with empty
+rows and a causal mask; tree verification with the tree's ancestor mask). Captures follow
+``eagle3jax.capture``.
+
+KV heads on a tensor-parallel mesh: when the tensor axis does not divide K, the k/v
+projections are replicated ``kv_repeat`` times (head ``k`` becomes heads ``k*r .. k*r+r-1``),
+as serving engines do, so that every tensor rank owns the KV heads its query heads read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3jax import attention as attn_lib
+from eagle3jax import kv_cache as kv_lib
+from eagle3jax.capture import EMBEDDING, CaptureSpec
+from eagle3jax.config import LlamaConfig
+from eagle3jax.layers import RMSNorm, einsum, param, rms_norm
+from eagle3jax.rope import apply_rope
+from eagle3jax.sharding import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, VOCAB,
+                                out_spec, shard)
+
+ACT = (BATCH, SEQ, EMBED)
+
+
+def kv_head_replication(num_heads: int, num_kv_heads: int, tensor: int) -> int:
+  """How many times each KV head is replicated so ``tensor`` ranks each own whole KV heads.
+
+  1 when ``tensor`` divides K (or when heads are not sharded at all because ``tensor`` does
+  not divide N); otherwise ``lcm(K, tensor) / K``.
+  """
+  if num_kv_heads % tensor == 0 or num_heads % tensor:
+    return 1
+  return math.lcm(num_kv_heads, tensor) // num_kv_heads
+
+
+class LlamaAttention(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, kv_repeat: int, dtype):
+    d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim
+    k = cfg.num_key_value_heads * kv_repeat
+    self.q_proj = param((d, n, h), (EMBED, HEADS, HEAD_DIM), dtype)
+    self.k_proj = param((d, k, h), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+    self.v_proj = param((d, k, h), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+    self.o_proj = param((n, h, d), (HEADS, HEAD_DIM, EMBED), dtype)
+    if cfg.qkv_bias:
+      self.q_bias = param((n, h), (HEADS, HEAD_DIM), dtype, init="zeros")
+      self.k_bias = param((k, h), (KV_HEADS, HEAD_DIM), dtype, init="zeros")
+      self.v_bias = param((k, h), (KV_HEADS, HEAD_DIM), dtype, init="zeros")
+    if cfg.o_bias:
+      self.o_bias = param((d,), (EMBED,), dtype, init="zeros")
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+      self.k_norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+    self.cfg = cfg
+
+  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
+    cfg = self.cfg
+    q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
+    k = jnp.einsum("BTD,DKH->BTKH", x, self.k_proj[...])
+    v = jnp.einsum("BTD,DKH->BTKH", x, self.v_proj[...])
+    if cfg.qkv_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = cfg.rope.inv_frequencies(cfg.resolved_head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    if k_buf is None:  # full sequence: the new tokens are the whole key set
+      k_buf, v_buf = k, v
+    else:
+      k_buf = kv_lib.write(k_buf, k, lengths)
+      v_buf = kv_lib.write(v_buf, v, lengths)
+    out = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask,
+                          scale=1.0 / math.sqrt(q.shape[-1]), impl=impl)
+    y = einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT)
+    if cfg.o_bias:
+      y = y + self.o_bias[...]
+    return y, k_buf, v_buf
+
+
+class LlamaMLP(nnx.Module):
+  def __init__(self, d: int, f: int, dtype):
+    self.gate_proj = param((d, f), (EMBED, MLP), dtype)
+    self.up_proj = param((d, f), (EMBED, MLP), dtype)
+    self.down_proj = param((f, d), (MLP, EMBED), dtype)
+
+  def __call__(self, x):
+    gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])
+    up = jnp.einsum("BTD,DF->BTF", x, self.up_proj[...])
+    return einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...], ACT)
+
+
+class LlamaDecoderLayer(nnx.Module):
+  def __init__(self, cfg: LlamaConfig, kv_repeat: int, dtype):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.self_attn = LlamaAttention(cfg, kv_repeat, dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
+    a, k_buf, v_buf = self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf,
+                                     lengths, tree_mask, impl)
+    x = shard(x + a, ACT)
+    x = shard(x + self.mlp(self.post_attention_layernorm(x)), ACT)
+    return x, k_buf, v_buf
+
+
+class LlamaForCausalLM(nnx.Module):
+  """A Llama/Qwen2/Qwen3 causal LM. Build with ``eagle3jax.load_target`` or
+  ``eagle3jax.params.init_model``; ``kv_repeat`` comes from the mesh."""
+
+  def __init__(self, cfg: LlamaConfig, *, kv_repeat: int = 1, dtype=jnp.float32):
+    d, v = cfg.hidden_size, cfg.vocab_size
+    self.config = cfg
+    self.kv_repeat = kv_repeat
+    self.embed_tokens = param((v, d), (VOCAB, EMBED), dtype)
+    self.layers = nnx.List([LlamaDecoderLayer(cfg, kv_repeat, dtype)
+                            for _ in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
+
+  # --- cache geometry, for the engine ---
+  @property
+  def num_layers(self) -> int:
+    return self.config.num_hidden_layers
+
+  @property
+  def hidden_size(self) -> int:
+    return self.config.hidden_size
+
+  @property
+  def cache_kv_heads(self) -> int:
+    return self.config.num_key_value_heads * self.kv_repeat
+
+  @property
+  def cache_head_dim(self) -> int:
+    return self.config.resolved_head_dim
+
+  @property
+  def dtype(self):
+    return self.embed_tokens.get_value().dtype
+
+  def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
+    return kv_lib.KVCache.allocate(self.num_layers, batch, max_len, self.cache_kv_heads,
+                                   self.cache_head_dim, self.dtype, fill)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``[B, T, D]`` (vocab-parallel table gathered to the activation layout)."""
+    table = self.embed_tokens[...]
+    shape = tokens.shape + (table.shape[1],)
+    return table.at[tokens].get(out_sharding=out_spec(ACT, shape))
+
+  def lm_logits(self, x: jax.Array) -> jax.Array:
+    """Float32 logits ``[B, T, V]`` from final-normed hidden states."""
+    w = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    logits = einsum("BTD,DV->BTV", x, w, (BATCH, SEQ, VOCAB))
+    return logits.astype(jnp.float32)
+
+  def __call__(self, tokens, positions=None, cache: kv_lib.KVCache | None = None,
+               tree_mask=None, capture: CaptureSpec | None = None, *,
+               logits_index=None, attention_impl: str = "xla"):
+    """Runs the model.
+
+    Args:
+      tokens: ``[B, T]`` int32.
+      positions: ``[B, T]`` int32 RoPE positions (default ``0..T-1``).
+      cache: a ``KVCache`` to extend, or None for a full-sequence forward.
+      tree_mask: ``[B, T, T]`` bool among the new tokens (default causal).
+      capture: hidden states to return, or None.
+      logits_index: optional ``[B, M]`` int32: only compute logits at these new-token indices.
+      attention_impl: ``"xla"`` or ``"pallas"`` (see ``eagle3jax.attention``).
+
+    Returns:
+      ``(logits [B, T or M, V] float32, aux [B, T, k*D] or None, cache)``; the returned cache
+      holds the new K/V at ``lengths[b] ..`` with ``lengths`` unchanged.
+    """
+    b, t = tokens.shape
+    tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = shard(positions.astype(jnp.int32), (BATCH, SEQ))
+    if tree_mask is None:
+      tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    tree_mask = shard(tree_mask, (BATCH, SEQ, SEQ))
+    lengths = (jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths)
+    lengths = shard(lengths, (BATCH,))
+
+    x = shard(self.embed(tokens), ACT)
+    captures = {}
+    if capture is not None and EMBEDDING in capture.layer_ids:
+      captures[EMBEDDING] = capture.annotate(x)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      k_buf = None if cache is None else cache.k[i]
+      v_buf = None if cache is None else cache.v[i]
+      x, k_buf, v_buf = layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
+      new_k.append(k_buf)
+      new_v.append(v_buf)
+      if capture is not None and i in capture.layer_ids:
+        captures[i] = capture.annotate(x)
+    aux = capture.concat(captures) if capture is not None else None
+    if logits_index is not None:
+      x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32), axis=1)
+    logits = self.lm_logits(rms_norm(x, self.norm.weight[...], self.config.rms_norm_eps))
+    new_cache = None if cache is None else kv_lib.KVCache(tuple(new_k), tuple(new_v), lengths)
+    return logits, aux, new_cache

@@ -1,0 +1,102 @@
+"""Reading Hugging Face safetensors checkpoints without copying them.
+
+A small reader of the safetensors format (8-byte little-endian header size, JSON header, raw
+data) over ``numpy.memmap``, so any tensor, bf16 and float8 included (via ``ml_dtypes``), is a
+zero-copy view and a sharded loader reads only the slices each device needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import ml_dtypes
+import numpy as np
+
+_DTYPES = {
+    "F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class SafetensorsFile:
+  """One ``.safetensors`` file: ``names``, ``shape(name)``, ``get(name)`` (a memmap view)."""
+
+  def __init__(self, path: str):
+    self.path = path
+    with open(path, "rb") as f:
+      raw = f.read(8)
+      if len(raw) != 8:
+        raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+      (n,) = struct.unpack("<Q", raw)
+      try:
+        header = json.loads(f.read(n))
+      except ValueError as e:
+        raise ValueError(f"{path} is not a safetensors file (bad header: {e})") from None
+    header.pop("__metadata__", None)
+    self._header = header
+    self._base = 8 + n
+    self._mm = None
+
+  @property
+  def names(self) -> list[str]:
+    return list(self._header)
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return tuple(self._header[name]["shape"])
+
+  def get(self, name: str) -> np.ndarray:
+    info = self._header[name]
+    if info["dtype"] not in _DTYPES:
+      raise ValueError(f"{self.path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+    if self._mm is None:
+      self._mm = np.memmap(self.path, dtype=np.uint8, mode="r")
+    start, end = info["data_offsets"]
+    dtype = np.dtype(_DTYPES[info["dtype"]])
+    buf = self._mm[self._base + start:self._base + end]
+    return buf.view(dtype).reshape(info["shape"])
+
+
+class SafetensorsDir:
+  """All tensors of a checkpoint directory: ``model.safetensors`` or a sharded index."""
+
+  def __init__(self, path: str):
+    index = os.path.join(path, "model.safetensors.index.json")
+    single = os.path.join(path, "model.safetensors")
+    self._files: dict[str, SafetensorsFile] = {}
+    self._where: dict[str, str] = {}
+    if os.path.exists(index):
+      with open(index) as f:
+        weight_map = json.load(f).get("weight_map")
+      if not isinstance(weight_map, dict):
+        raise ValueError(f"{index} has no 'weight_map' object")
+      for name, fname in weight_map.items():
+        fpath = os.path.join(path, fname)
+        if fpath not in self._files:
+          if not os.path.exists(fpath):
+            raise ValueError(f"{index} names {fname} for weight {name!r}, but the file is "
+                             "missing")
+          self._files[fpath] = SafetensorsFile(fpath)
+        self._where[name] = fpath
+    elif os.path.exists(single):
+      self._files[single] = SafetensorsFile(single)
+      self._where = {n: single for n in self._files[single].names}
+    else:
+      raise ValueError(f"{path} has neither model.safetensors nor "
+                       "model.safetensors.index.json")
+
+  @property
+  def names(self) -> list[str]:
+    return list(self._where)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._where
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    return self._files[self._where[name]].shape(name)
+
+  def get(self, name: str) -> np.ndarray:
+    return self._files[self._where[name]].get(name)

@@ -1,0 +1,6 @@
+"""Meshes, logical axis names and sharding rules (imported as ``eagle3jax.sharding``)."""
+
+from eagle3jax.sharding.mesh import DATA, MESH_AXES, TENSOR, make_mesh, single_device_mesh
+from eagle3jax.sharding.rules import (
+    ACTIVATION_RULES, BATCH, CAPTURE, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LORA, MLP,
+    PARAM_RULES, SEQ, VOCAB, activation_spec, out_spec, param_sharding, param_spec, shard)

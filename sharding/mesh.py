@@ -1,0 +1,54 @@
+"""The device mesh: the one place where mesh axis types are chosen.
+
+Every mesh in eagle3jax has two named axes, ``data`` (batch) and ``tensor`` (attention heads,
+MLP columns, vocabulary), and both are **Explicit** axes. With Explicit axes an array's sharding
+is part of its type inside ``jax.jit``: an operation whose operands disagree on layout (for
+example concatenating a replicated embedding with tensor-sharded layer outputs) raises
+``ShardingTypeError`` while tracing instead of silently producing a feature of the wrong width.
+That is exactly the failure eagle3jax exists to prevent (see the README, "capture convention"),
+so no other module picks axis types.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh
+
+DATA = "data"
+TENSOR = "tensor"
+MESH_AXES = (DATA, TENSOR)
+
+
+def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
+  """Builds a ``(data, tensor)`` mesh with Explicit axis types.
+
+  Args:
+    data: size of the batch axis.
+    tensor: size of the tensor-parallel axis.
+    devices: devices to use (default: ``jax.devices()``); the first ``data * tensor`` are used.
+
+  Returns:
+    A ``jax.sharding.Mesh`` with axes ``("data", "tensor")``, both ``AxisType.Explicit``.
+
+  Raises:
+    ValueError: if a size is not a positive integer or there are too few devices.
+  """
+  for name, size in (("data", data), ("tensor", tensor)):
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+      raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+  devices = list(jax.devices() if devices is None else devices)
+  need = data * tensor
+  if len(devices) < need:
+    raise ValueError(
+        f"make_mesh(data={data}, tensor={tensor}) needs {need} devices but only "
+        f"{len(devices)} are available ({devices[0].platform if devices else 'none'}). "
+        "On CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, "
+        "or choose a smaller mesh.")
+  return jax.make_mesh(
+      (data, tensor), MESH_AXES, axis_types=(AxisType.Explicit, AxisType.Explicit),
+      devices=devices[:need])
+
+
+def single_device_mesh() -> Mesh:
+  """A 1x1 mesh on the first device: the default when the caller passes no mesh."""
+  return make_mesh(1, 1)

@@ -1,0 +1,124 @@
+"""Logical axis names and the rules that map them to mesh axes.
+
+Model code names *logical* axes (``EMBED``, ``HEADS``, ...), never mesh axes. Two tables map
+logical names to mesh axes: one for parameters and one for activations. The rules are the
+usual tensor-parallel layout of serving engines: attention heads and MLP columns over
+``tensor``, a vocab-parallel embedding and LM head, the batch over ``data``.
+
+A mesh axis is dropped (that dimension replicated) when it does not divide the dimension, so a
+tiny test model with 3 KV heads still runs on ``tensor=8``; for KV heads the target model
+first replicates heads so that they do divide (see ``kv_head_replication``).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from eagle3jax.sharding.mesh import DATA, TENSOR
+
+# Logical axis names. Constants, so that a typo is a NameError, not a silent replication.
+BATCH = "batch"
+SEQ = "seq"            # query tokens (T) or cache slots (S)
+EMBED = "embed"        # model width D
+HEADS = "heads"        # query heads N
+KV_HEADS = "kv_heads"  # key/value heads K
+HEAD_DIM = "head_dim"  # H
+MLP = "mlp"            # F
+VOCAB = "vocab"        # V
+EXPERT = "expert"      # E (mixture of experts)
+LORA = "lora"          # low-rank latent dims (MLA); always replicated
+CAPTURE = "capture"    # the concatenated capture features k*D
+
+PARAM_RULES: dict[str, str | None] = {
+    EMBED: None,
+    HEADS: TENSOR,
+    KV_HEADS: TENSOR,
+    HEAD_DIM: None,
+    MLP: TENSOR,
+    VOCAB: TENSOR,
+    EXPERT: TENSOR,
+    LORA: None,
+    CAPTURE: None,
+}
+
+ACTIVATION_RULES: dict[str, str | None] = {
+    BATCH: DATA,
+    SEQ: None,
+    EMBED: None,
+    HEADS: TENSOR,
+    KV_HEADS: TENSOR,
+    HEAD_DIM: None,
+    MLP: TENSOR,
+    VOCAB: None,       # logits are gathered to full width: sampling needs whole rows
+    EXPERT: TENSOR,
+    LORA: None,
+    CAPTURE: None,
+}
+
+Axes = Sequence[str | None]
+
+
+def _spec(rules: dict[str, str | None], axes: Axes, shape: Sequence[int] | None,
+          mesh: Mesh | None) -> P:
+  out = []
+  for i, name in enumerate(axes):
+    if name is None:
+      out.append(None)
+      continue
+    if name not in rules:
+      raise ValueError(f"unknown logical axis {name!r}; known: {sorted(rules)}")
+    mesh_axis = rules[name]
+    if mesh_axis is not None and shape is not None and mesh is not None:
+      size = mesh.shape[mesh_axis]
+      if shape[i] % size:
+        mesh_axis = None  # does not divide: replicate this dimension
+    out.append(mesh_axis)
+  return P(*out)
+
+
+def param_spec(axes: Axes, shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
+  """PartitionSpec of a parameter with logical ``axes`` (and ``shape`` on ``mesh``)."""
+  return _spec(PARAM_RULES, axes, shape, mesh)
+
+
+def activation_spec(axes: Axes, shape: Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> P:
+  """PartitionSpec of an activation with logical ``axes`` (and ``shape`` on ``mesh``)."""
+  return _spec(ACTIVATION_RULES, axes, shape, mesh)
+
+
+def param_sharding(mesh: Mesh, axes: Axes, shape: Sequence[int]) -> NamedSharding:
+  return NamedSharding(mesh, param_spec(axes, shape, mesh))
+
+
+def _current_mesh():
+  mesh = jax.sharding.get_abstract_mesh()
+  return None if mesh.empty else mesh
+
+
+def shard(x: jax.Array, axes: Axes) -> jax.Array:
+  """Lays out activation ``x`` as the activation rules say for logical ``axes``.
+
+  Every activation annotation in eagle3jax goes through this function. Under an Explicit mesh it
+  moves data with ``jax.reshard`` (a no-op when the layout already matches), so the result's
+  *type* carries the layout and later mixing with another layout is a trace-time error.
+  Outside a mesh it returns ``x`` unchanged.
+  """
+  if len(axes) != x.ndim:
+    raise ValueError(f"shard: {len(axes)} logical axes {tuple(axes)} for an array of rank "
+                     f"{x.ndim} (shape {x.shape})")
+  mesh = _current_mesh()
+  if mesh is None:
+    return x
+  return jax.reshard(x, activation_spec(axes, x.shape, mesh))
+
+
+def out_spec(axes: Axes, shape: Sequence[int]) -> P | None:
+  """The ``out_sharding`` for an op producing logical ``axes`` (None outside a mesh)."""
+  mesh = _current_mesh()
+  if mesh is None:
+    return None
+  return activation_spec(axes, shape, mesh)
