@@ -21,3 +21,11 @@ __all__ = [
     "CaptureSpec", "LlamaConfig", "RopeConfig", "init_target", "load_target", "ForwardOutput",
     "forward", "LlamaForCausalLM", "KVCache", "make_mesh",
 ]
+
+# --- Drafter and engine ---
+from eagle3jax.drafter import DrafterConfig, Eagle3Drafter
+from eagle3jax.drafter_io import init_drafter, load_drafter, save_drafter
+from eagle3jax.generate import GenerateResult, generate
+
+__all__ += ["DrafterConfig", "Eagle3Drafter", "init_drafter", "load_drafter", "save_drafter",
+            "GenerateResult", "generate"]

@@ -2,7 +2,9 @@
 
 One semantics for every use (full sequence, prefill, chunked extend, tree verification, draft):
 query ``i`` of row ``b`` sees cache keys ``[0, lengths[b])`` and new key ``j`` (stored at slot
-``lengths[b] + j``) where ``tree_mask[b, i, j]``. The XLA path below materialises the
+``lengths[b] + j``) where ``tree_mask[b, i, j]``. ``tree_mask`` is ``[B, T, W]``: usually
+``W == T`` (the new tokens are the keys after the prefix); the drafter's tree steps use a wider
+window holding the earlier tree levels (XLA path only). The XLA path below materialises the
 ``[B, N, T, S]`` scores; ``eagle3jax.kernels.tree_attention`` is the Pallas kernel with the same
 contract, chosen by ``attention_impl``.
 """
@@ -28,7 +30,7 @@ def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
   ``k``/``v`` already hold the new tokens at ``lengths[b] .. lengths[b] + T - 1``; slots beyond
   ``lengths[b] + T`` may hold anything (NaN included) and do not affect the result.
   """
-  if impl == "xla":
+  if impl == "xla" or tree_mask.shape[-1] != q.shape[1]:
     return _attend_xla(q, k, v, lengths, tree_mask, scale)
   if impl in ("pallas", "pallas_interpret"):
     from eagle3jax.kernels import tree_attention_sharded  # pylint: disable=import-outside-toplevel
@@ -40,20 +42,21 @@ def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
 
 def visibility(lengths: jax.Array, tree_mask: jax.Array, num_slots: int) -> jax.Array:
   """Boolean ``[B, T, S]``: may query ``i`` of row ``b`` read cache slot ``s``."""
-  t = tree_mask.shape[-1]
+  w = tree_mask.shape[-1]
   slots = jnp.arange(num_slots, dtype=jnp.int32)
   rel = slots[None, None, :] - lengths[:, None, None]                     # [B, 1, S]
-  idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), tree_mask.shape[:2] + (num_slots,))
+  idx = jnp.broadcast_to(jnp.clip(rel, 0, w - 1), tree_mask.shape[:2] + (num_slots,))
   tree_vis = jnp.take_along_axis(tree_mask, idx, axis=2)                  # [B, T, S]
-  return (rel < 0) | ((rel < t) & tree_vis)
+  return (rel < 0) | ((rel < w) & tree_vis)
 
 
 def _attend_xla(q, k, v, lengths, tree_mask, scale):
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
-  # Slots past lengths + T are arbitrary memory: zero them so 0 * NaN cannot reach the output.
-  live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + t))[:, :, None, None]
+  w = tree_mask.shape[-1]
+  # Slots past lengths + W are arbitrary memory: zero them so 0 * NaN cannot reach the output.
+  live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + w))[:, :, None, None]
   k = jnp.where(live, k, jnp.zeros((), k.dtype))
   v = jnp.where(live, v, jnp.zeros((), v.dtype))
   qg = q.reshape(b, t, kh, g, h)

@@ -60,8 +60,9 @@ class CaptureSpec:
   def eagle3_default(cls, num_layers: int) -> "CaptureSpec":
     """The official EAGLE-3 choice: inputs of layers (2, L//2, L-3) = outputs of
     (1, L//2 - 1, L - 4)."""
-    if num_layers < 5:
-      raise ValueError(f"eagle3_default needs at least 5 layers, got num_layers={num_layers}")
+    if num_layers < 7:
+      raise ValueError(f"eagle3_default needs at least 7 layers for three distinct captures "
+                       f"(1, L//2 - 1, L - 4); got num_layers={num_layers}")
     return cls((1, num_layers // 2 - 1, num_layers - 4))
 
   def validate(self, num_layers: int) -> None:

@@ -55,4 +55,4 @@ def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
   """Writes ``new [B, T, K, H]`` into ``buf [B, S, K, H]`` at slots ``start[b] ..``."""
   def one(b, n, s):
     return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s, 0, 0))
-  return jax.vmap(one)(buf, new, start)
+  return jax.vmap(one)(buf, new, shard(start.astype(jnp.int32), (BATCH,)))

@@ -122,3 +122,9 @@ def out_spec(axes: Axes, shape: Sequence[int]) -> P | None:
   if mesh is None:
     return None
   return activation_spec(axes, shape, mesh)
+
+
+def batch_major(x: jax.Array) -> jax.Array:
+  """``shard(x, (BATCH, None, ...))``: for small per-row bookkeeping arrays, so that arrays
+  created inside jit (``jnp.zeros((B,))``) and model outputs share one batch layout."""
+  return shard(x, (BATCH,) + (None,) * (x.ndim - 1))

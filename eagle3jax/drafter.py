@@ -1,0 +1,222 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over [token embedding, fused target features].
+
+For drafter position ``s`` (reference: EAGLE-3, Li et al. 2025)::
+
+    e_s = E[x_{s+1}]                       # the NEXT token's embedding (target's table)
+    g_s = fc(concat(low_s, mid_s, high_s)) # 3D -> D, no bias; deeper draft steps: own a_{s-1}
+    z_s = concat(input_layernorm(e_s), hidden_norm(g_s))          # [B, T, 2D]
+    u_s = g_s + o_proj(Attn(q_proj(z), k_proj(z), v_proj(z)))     # residual from g
+    a_s = u_s + mlp(post_attention_layernorm(u_s))
+    logits_s = lm_head(norm(a_s))          # over the draft vocabulary
+
+Draft ids map to target ids with ``i + d2t[i]``. The token embedding is the target's
+``embed_tokens`` variable itself (shared, not copied) unless the checkpoint carries its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3jax import attention as attn_lib
+from eagle3jax import kv_cache as kv_lib
+from eagle3jax.capture import CaptureSpec
+from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.llama import ACT, LlamaMLP, kv_head_replication
+from eagle3jax.rope import RopeConfig, apply_rope
+from eagle3jax.sharding import (BATCH, CAPTURE, EMBED, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
+                                out_spec, shard)
+
+
+class Buffer(nnx.Variable):
+  """A non-trainable array stored with the model (``d2t``, ``t2d``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+  """An EAGLE-3 drafter.
+
+  Attributes:
+    hidden_size: D of the drafter.
+    intermediate_size: F of its MLP.
+    num_attention_heads: N.
+    num_key_value_heads: K.
+    head_dim: H (default ``hidden_size // num_attention_heads``).
+    rms_norm_eps: epsilon of the norms.
+    rope: rotary settings; ``rope_theta`` of the drafter config, 10000 when absent.
+    max_position_embeddings: the drafter's trained context length.
+    vocab_size: the target vocabulary size.
+    draft_vocab_size: size of the draft vocabulary (rows of ``lm_head``).
+    target_hidden_size: width of each captured target feature (default ``hidden_size``).
+    capture: the target hidden states this drafter was trained on (project convention).
+  """
+  hidden_size: int
+  intermediate_size: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  vocab_size: int
+  draft_vocab_size: int
+  capture: CaptureSpec
+  head_dim: int | None = None
+  rms_norm_eps: float = 1e-6
+  rope: RopeConfig = RopeConfig(theta=10000.0)
+  max_position_embeddings: int = 2048
+  target_hidden_size: int | None = None
+
+  def __post_init__(self):
+    for name in ("hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size", "draft_vocab_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"drafter config field {name}={value!r} must be a positive integer")
+    if self.num_attention_heads % self.num_key_value_heads:
+      raise ValueError(f"drafter config num_key_value_heads={self.num_key_value_heads} must "
+                       f"divide num_attention_heads={self.num_attention_heads}")
+    if self.draft_vocab_size > self.vocab_size:
+      raise ValueError(f"drafter config draft_vocab_size={self.draft_vocab_size} exceeds "
+                       f"vocab_size={self.vocab_size}")
+    if not isinstance(self.capture, CaptureSpec):
+      raise ValueError("drafter config capture must be a CaptureSpec")
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_attention_heads
+
+  @property
+  def feature_size(self) -> int:
+    """Width of one target feature (``target_hidden_size`` or ``hidden_size``)."""
+    return self.target_hidden_size or self.hidden_size
+
+  @classmethod
+  def for_target(cls, target_cfg, capture: CaptureSpec, draft_vocab_size: int | None = None,
+                 **overrides) -> "DrafterConfig":
+    """A drafter shaped like one layer of ``target_cfg`` (the usual EAGLE-3 choice)."""
+    base = dict(hidden_size=target_cfg.hidden_size,
+                intermediate_size=target_cfg.intermediate_size,
+                num_attention_heads=target_cfg.num_attention_heads,
+                num_key_value_heads=target_cfg.num_key_value_heads,
+                head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
+                vocab_size=target_cfg.vocab_size,
+                draft_vocab_size=draft_vocab_size or target_cfg.vocab_size, capture=capture,
+                max_position_embeddings=target_cfg.max_position_embeddings)
+    base.update(overrides)
+    return cls(**base)
+
+
+class DrafterAttention(nnx.Module):
+  def __init__(self, cfg: DrafterConfig, kv_repeat: int, dtype):
+    d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim
+    k = cfg.num_key_value_heads * kv_repeat
+    self.q_proj = param((2 * d, n, h), (EMBED, HEADS, HEAD_DIM), dtype)
+    self.k_proj = param((2 * d, k, h), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+    self.v_proj = param((2 * d, k, h), (EMBED, KV_HEADS, HEAD_DIM), dtype)
+    self.o_proj = param((n, h, d), (HEADS, HEAD_DIM, EMBED), dtype)
+    self.cfg = cfg
+
+
+class Eagle3Drafter(nnx.Module):
+  """The drafter. Build with ``eagle3jax.load_drafter`` or ``eagle3jax.init_drafter``."""
+
+  def __init__(self, cfg: DrafterConfig, *, kv_repeat: int = 1, own_embedding: bool = False,
+               dtype=jnp.float32):
+    d = cfg.hidden_size
+    self.config = cfg
+    self.kv_repeat = kv_repeat
+    self.own_embedding = own_embedding
+    if own_embedding:
+      self.embed_tokens = param((cfg.vocab_size, d), (VOCAB, EMBED), dtype)
+    self.fc = param((len(cfg.capture.layer_ids) * cfg.feature_size, d), (CAPTURE, EMBED), dtype)
+    self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.self_attn = DrafterAttention(cfg, kv_repeat, dtype)
+    self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.mlp = LlamaMLP(d, cfg.intermediate_size, dtype)
+    self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    self.lm_head = param((d, cfg.draft_vocab_size), (EMBED, VOCAB), dtype)
+    self.d2t = Buffer(jnp.zeros((cfg.draft_vocab_size,), jnp.int32), axes=(None,),
+                      init="zeros")
+    self.t2d = Buffer(jnp.zeros((cfg.vocab_size,), jnp.bool_), axes=(None,), init="ones")
+
+  @property
+  def dtype(self):
+    return self.fc.get_value().dtype
+
+  @property
+  def cache_kv_heads(self) -> int:
+    return self.config.num_key_value_heads * self.kv_repeat
+
+  def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
+    return kv_lib.KVCache.allocate(1, batch, max_len, self.cache_kv_heads,
+                                   self.config.resolved_head_dim, self.dtype, fill)
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``[B, T, D]`` from the shared (or own) table."""
+    table = self.embed_tokens[...]
+    shape = tokens.shape + (table.shape[1],)
+    return table.at[tokens].get(out_sharding=out_spec(ACT, shape)).astype(self.dtype)
+
+  def project(self, aux: jax.Array) -> jax.Array:
+    """``fc``: fused target features ``[B, T, k*Dt]`` -> drafter hidden ``[B, T, D]``."""
+    return einsum("BTC,CD->BTD", aux.astype(self.dtype), self.fc[...], ACT)
+
+  def logits(self, a: jax.Array) -> jax.Array:
+    """Draft-vocab float32 logits from pre-norm outputs ``a [B, T, D]``."""
+    out = einsum("BTD,DV->BTV", self.norm(a), self.lm_head[...], (BATCH, SEQ, VOCAB))
+    return out.astype(jnp.float32)
+
+  def to_target_ids(self, draft_ids: jax.Array) -> jax.Array:
+    """Target ids of draft ids ``[B, ...]``: ``i + d2t[i]``."""
+    axes = (BATCH,) + (None,) * (draft_ids.ndim - 1)
+    offsets = self.d2t[...].at[draft_ids].get(out_sharding=out_spec(axes, draft_ids.shape))
+    return draft_ids + offsets
+
+  def __call__(self, tokens, hidden, positions, cache: kv_lib.KVCache | None = None,
+               tree_mask=None, write_at=None):
+    """One drafter layer.
+
+    Args:
+      tokens: ``[B, T]`` next-token ids (their embeddings are ``e``).
+      hidden: ``[B, T, D]``: ``fc`` of target features, or the drafter's own earlier ``a``.
+      positions: ``[B, T]`` RoPE positions.
+      cache: the drafter's one-layer ``KVCache`` (None: attend among the T tokens only).
+      tree_mask: ``[B, T, W]``: new token ``i`` sees window slot ``lengths[b] + j``.
+      write_at: ``[B]`` slot where the T new keys are written (default ``cache.lengths``).
+
+    Returns:
+      ``(a [B, T, D] pre-norm outputs, cache)``.
+    """
+    cfg = self.config
+    b, t = tokens.shape
+    if tree_mask is None:
+      tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    hidden = shard(hidden.astype(self.dtype), ACT)
+    e = self.embed(tokens)
+    z = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(hidden)], axis=-1)
+    attn = self.self_attn
+    q = jnp.einsum("BTD,DNH->BTNH", z, attn.q_proj[...])
+    k = jnp.einsum("BTD,DKH->BTKH", z, attn.k_proj[...])
+    v = jnp.einsum("BTD,DKH->BTKH", z, attn.v_proj[...])
+    inv_freq = cfg.rope.inv_frequencies(cfg.resolved_head_dim)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    if cache is None:
+      k_buf, v_buf, lengths = k, v, jnp.zeros((b,), jnp.int32)
+    else:
+      lengths = cache.lengths
+      start = lengths if write_at is None else write_at
+      k_buf = kv_lib.write(cache.k[0], k, start)
+      v_buf = kv_lib.write(cache.v[0], v, start)
+    o = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask,
+                        scale=1.0 / math.sqrt(cfg.resolved_head_dim), impl="xla")
+    u = shard(hidden + einsum("BTNH,NHD->BTD", o, attn.o_proj[...], ACT), ACT)
+    a = shard(u + self.mlp(self.post_attention_layernorm(u)), ACT)
+    new_cache = None if cache is None else kv_lib.KVCache((k_buf,), (v_buf,), lengths)
+    return a, new_cache
+
+
+def drafter_kv_repeat(cfg: DrafterConfig, tensor: int) -> int:
+  return kv_head_replication(cfg.num_attention_heads, cfg.num_key_value_heads, tensor)

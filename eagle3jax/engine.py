@@ -1,0 +1,314 @@
+"""The jitted speculative decoding engine: prefill, then rounds of draft, verify, accept, commit.
+
+Axis letters as in the README; ``P`` tree nodes, ``W = num_steps + 1`` the most tokens one round
+can commit, ``M`` the candidate pool. Each round, per row (shapes are static; per-row lengths
+and stop state live in the ``DecodeState`` pytree):
+
+1. Draft: the drafter's last pre-norm output gives the root's children; ``num_steps - 1``
+   more drafter passes expand the frontier (``eagle3jax.tree``), writing tree K/V beyond the
+   drafter's committed length.
+2. Verify: one target extend over the P tree tokens with the ancestor mask, capturing aux
+   hidden states.
+3. Accept: greedy or lossless rejection sampling (``eagle3jax.acceptance``).
+4. Commit: the accepted path's K/V are copied to contiguous target cache slots; the drafter
+   runs once over the newly committed positions (target features of the path, next tokens),
+   which replaces the tree K/V with real context and yields the next root output.
+
+``drafter=None`` runs plain autoregressive decoding through the same target code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3jax import acceptance, tree as tree_lib
+from eagle3jax.capture import CaptureSpec
+from eagle3jax.kv_cache import KVCache, write
+from eagle3jax.sampling import SamplingParams, probabilities, sample
+from eagle3jax.sharding import BATCH, EMBED, SEQ, batch_major as bm, shard
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """Static settings of one compiled engine (part of the compilation key).
+
+  Attributes:
+    tree: draft tree shape, or None for autoregressive decoding.
+    sampling: greedy or sampling (with static top-k).
+    capture: target hidden states fed to the drafter.
+    attention_impl: ``"xla"``, ``"pallas"`` or ``"pallas_interpret"`` for target attention.
+  """
+  tree: tree_lib.TreeShape | None
+  sampling: SamplingParams
+  capture: CaptureSpec | None
+  attention_impl: str = "xla"
+
+  @property
+  def commit_width(self) -> int:
+    return 1 if self.tree is None else self.tree.num_steps + 1
+
+  @property
+  def slots_needed(self) -> int:
+    """Cache slots past the committed length that one round may write."""
+    if self.tree is None:
+      return 1
+    return max(self.tree.num_draft_tokens, self.commit_width, self.tree.tree_window)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeState:
+  """Everything that changes from round to round (a pytree; batch-major)."""
+  target_cache: KVCache
+  draft_cache: KVCache | None
+  bonus: jax.Array          # [B] last emitted token, not yet in the target cache
+  d_hidden: jax.Array | None  # [B, D] drafter pre-norm output at the last committed position
+  out: jax.Array            # [B, O] emitted tokens
+  out_len: jax.Array        # [B]
+  done: jax.Array           # [B] bool
+  keys: jax.Array           # [B, 2] uint32 per-row PRNG keys
+  rounds: jax.Array         # [B] rounds while active
+  accepted: jax.Array       # [B] sum over rounds of (accepted drafts + 1)
+  hist: jax.Array           # [B, W] rounds by number of accepted drafts
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Dynamic:
+  """Per-call values that do not recompile."""
+  temperature: jax.Array    # [] float32
+  top_p: jax.Array          # [] float32
+  eos: jax.Array            # [E] int32 (-1 padded)
+  max_new: jax.Array        # [] int32
+
+
+def _pick(spec: EngineSpec, logits, dyn: Dynamic, keys):
+  """Next token per row from ``logits [B, V]`` (greedy or sampled with one key per row)."""
+  if spec.sampling.greedy:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
+  return jax.vmap(sample)(jax.vmap(jax.random.wrap_key_data)(keys), probs)
+
+
+def _split_keys(keys):
+  """Per-row key data ``[B, 2]`` -> (next keys, keys for this round)."""
+  def one(k):
+    a, b = jax.random.split(jax.random.wrap_key_data(k))
+    return jax.random.key_data(a), jax.random.key_data(b)
+  return jax.vmap(one)(keys)
+
+
+def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
+  """Appends ``new[:, :count]`` to the output, applying EOS and ``max_new``; returns
+  (out, out_len, finished)."""
+  w = new.shape[1]
+  new, count = bm(new), bm(count)
+  out = write(st.out[:, :, None, None], new[:, :, None, None], st.out_len)[:, :, 0, 0]
+  d = jnp.arange(w)[None, :]
+  is_eos = jnp.any(new[:, :, None] == dyn.eos[None, None, :], axis=-1) & (d < count[:, None])
+  has_eos = jnp.any(is_eos, axis=-1)
+  count = jnp.where(has_eos, jnp.argmax(is_eos, axis=-1) + 1, count)
+  out_len = jnp.minimum(st.out_len + count, dyn.max_new)
+  return out, out_len, has_eos | (out_len >= dyn.max_new)
+
+
+def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KVCache:
+  """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer."""
+  src = cache.lengths[:, None] + path                                     # [B, W]
+  def move(buf):
+    rows = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)
+    return write(buf, rows, cache.lengths)
+  return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
+                 new_lengths)
+
+
+def _log_softmax(x):
+  return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
+
+
+def _draft(drafter, st: DecodeState, spec: EngineSpec):
+  """Builds the draft tree. Returns tree tokens, parent, depth, mask and the drafter cache."""
+  tree = spec.tree
+  k, m = tree.topk, st.target_cache.lengths
+  b = m.shape[0]
+  vals, ids = jax.lax.top_k(_log_softmax(drafter.logits(st.d_hidden[:, None])[:, 0]), k)
+  toks = drafter.to_target_ids(ids)
+  pool_tok, pool_score = [toks], [vals]
+  pool_parent = [bm(jnp.full((b, k), -1, jnp.int32))]
+  f_idx = bm(jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k)))
+  f_hidden = bm(jnp.broadcast_to(st.d_hidden[:, None], (b, k, st.d_hidden.shape[-1])))
+  f_score, f_tok = bm(vals), bm(toks)
+  window = tree.tree_window
+  anc = bm(jnp.zeros((b, k, window), bool))
+  dcache = st.draft_cache
+  for j in range(1, tree.num_steps):
+    slot0 = (j - 1) * k
+    anc = anc | jax.nn.one_hot(slot0 + jnp.arange(k), window, dtype=bool)[None]
+    positions = bm(jnp.broadcast_to((m - 1 + j)[:, None], (b, k)))
+    a, dcache = drafter(f_tok, f_hidden, positions, dcache, anc, write_at=m + slot0)
+    v2, i2 = jax.lax.top_k(_log_softmax(drafter.logits(a)), k)             # [B, k, k]
+    cum = (f_score[:, :, None] + v2).reshape(b, k * k)
+    c_tok = bm(drafter.to_target_ids(i2).reshape(b, k * k))
+    cum = bm(cum)
+    pool_tok.append(c_tok)
+    pool_score.append(cum)
+    pool_parent.append(jnp.repeat(f_idx, k, axis=1))
+    f_score, sel = jax.lax.top_k(cum, k)
+    parent_f = sel // k
+    f_idx = k + (j - 1) * k * k + sel
+    f_hidden = jnp.take_along_axis(a, parent_f[:, :, None], axis=1)
+    f_tok = jnp.take_along_axis(c_tok, sel, axis=1)
+    anc = jnp.take_along_axis(anc, parent_f[:, :, None], axis=1)
+  tokens, parent, depth, mask = tree_lib.select(
+      jnp.concatenate(pool_score, 1), jnp.concatenate(pool_parent, 1),
+      jnp.concatenate(pool_tok, 1), st.bonus, tree)
+  return tokens, parent, depth, mask, dcache
+
+
+def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec):
+  tree = spec.tree
+  w = spec.commit_width
+  m = st.target_cache.lengths
+  b = m.shape[0]
+  active = ~st.done
+  keys, round_keys = _split_keys(st.keys)
+
+  # --- Step 1: draft ---
+  tokens, parent, depth, mask, dcache = _draft(drafter, st, spec)
+
+  # --- Step 2: verify ---
+  logits, aux, tcache = target(tokens, m[:, None] + depth, st.target_cache, mask, spec.capture,
+                               attention_impl=spec.attention_impl)
+
+  # --- Step 3: accept ---
+  if spec.sampling.greedy:
+    best, acc, bonus = acceptance.greedy(logits, tokens, parent, depth, mask)
+  else:
+    probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
+    best, acc, bonus = acceptance.rejection_sample(
+        probs, tokens, parent, depth, jax.vmap(jax.random.wrap_key_data)(round_keys),
+        tree.num_steps)
+
+  # --- Step 4: commit ---
+  mask_row = jnp.take_along_axis(mask, best[:, None, None], axis=1)[:, 0]
+  path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
+  new_m = jnp.where(active, m + acc + 1, m)
+  tcache = _commit_cache(tcache, path, new_m)
+  d = jnp.arange(w, dtype=jnp.int32)[None, :]
+  after = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1), 1)
+  new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]
+  feats = jnp.take_along_axis(aux, path[:, :, None], axis=1)              # [B, W, k*Dt]
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+  a, dcache = drafter(new_tokens, drafter.project(feats), m[:, None] + d,
+                      dcache.with_lengths(m), causal)
+  d_hidden = jnp.take_along_axis(a, acc[:, None, None], axis=1)[:, 0]
+  dcache = dcache.with_lengths(new_m)
+
+  # --- Step 5: emit, stop ---
+  out, out_len, finished = _emit(st, new_tokens, acc + 1, dyn)
+  full = new_m + spec.slots_needed > tcache.max_len
+  keep = lambda new, old: jnp.where(  # noqa: E731
+      active.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
+  return DecodeState(
+      target_cache=tcache, draft_cache=dcache, bonus=keep(bonus, st.bonus),
+      d_hidden=keep(d_hidden.astype(st.d_hidden.dtype), st.d_hidden), out=keep(out, st.out),
+      out_len=keep(out_len, st.out_len), done=st.done | finished | full, keys=keys,
+      rounds=st.rounds + active, accepted=st.accepted + jnp.where(active, acc + 1, 0),
+      hist=st.hist + (jax.nn.one_hot(acc, w, dtype=jnp.int32) * active[:, None]))
+
+
+def _ar_round(target, st: DecodeState, dyn: Dynamic, spec: EngineSpec):
+  m = st.target_cache.lengths
+  b = m.shape[0]
+  active = ~st.done
+  keys, round_keys = _split_keys(st.keys)
+  logits, _, tcache = target(st.bonus[:, None], m[:, None], st.target_cache,
+                             jnp.ones((b, 1, 1), bool), attention_impl=spec.attention_impl)
+  nxt = _pick(spec, logits[:, 0], dyn, round_keys)
+  new_m = jnp.where(active, m + 1, m)
+  out, out_len, finished = _emit(st, nxt[:, None], bm(jnp.ones((b,), jnp.int32)), dyn)
+  full = new_m + spec.slots_needed > tcache.max_len
+  return dataclasses.replace(
+      st, target_cache=tcache.with_lengths(new_m), bonus=jnp.where(active, nxt, st.bonus),
+      out=jnp.where(active[:, None], out, st.out), out_len=jnp.where(active, out_len, st.out_len),
+      done=st.done | finished | full, keys=keys, rounds=st.rounds + active,
+      accepted=st.accepted + active, hist=st.hist + active[:, None])
+
+
+def _prefill(target, drafter, tokens, lengths, keys, dyn: Dynamic, spec: EngineSpec,
+             max_len: int, out_size: int) -> DecodeState:
+  b, t = tokens.shape
+  tcache = target.allocate_cache(b, max_len)
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  logits, aux, tcache = target(tokens, None, tcache, causal, spec.capture,
+                               logits_index=(lengths - 1)[:, None],
+                               attention_impl=spec.attention_impl)
+  keys, first_keys = _split_keys(keys)
+  first = _pick(spec, logits[:, 0], dyn, first_keys)
+  tcache = tcache.with_lengths(lengths)
+  dcache, d_hidden = None, None
+  if drafter is not None:
+    dcache = drafter.allocate_cache(b, max_len)
+    s = jnp.arange(t)[None, :]
+    shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+    d_tok = jnp.where(s == (lengths - 1)[:, None], first[:, None], shifted)
+    a, dcache = drafter(d_tok, drafter.project(aux), jnp.broadcast_to(s, (b, t)), dcache,
+                        causal)
+    d_hidden = jnp.take_along_axis(a, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    d_hidden = shard(d_hidden, (BATCH, EMBED))
+    dcache = dcache.with_lengths(lengths)
+  w = spec.commit_width
+  zeros = lambda *shape, dtype=jnp.int32: shard(  # noqa: E731
+      jnp.zeros(shape, dtype), (BATCH,) + (None,) * (len(shape) - 1))
+  st = DecodeState(
+      target_cache=tcache, draft_cache=dcache, bonus=shard(first, (BATCH,)), d_hidden=d_hidden,
+      out=zeros(b, out_size), out_len=zeros(b), done=zeros(b, dtype=bool),
+      keys=shard(keys, (BATCH, None)), rounds=zeros(b), accepted=zeros(b), hist=zeros(b, w))
+  out, out_len, finished = _emit(st, first[:, None], zeros(b) + 1, dyn)
+  return dataclasses.replace(st, out=out, out_len=out_len, done=finished)
+
+
+# --- jitted entry points (models are split outside jit and merged inside) ---
+
+TRACES = {"prefill": 0, "decode": 0}
+
+
+def _prefill_fn(graphdef, params, tokens, lengths, keys, dyn, spec, max_len, out_size):
+  TRACES["prefill"] += 1
+  target, drafter = nnx.merge(graphdef, params)
+  return _prefill(target, drafter, tokens, lengths, keys, dyn, spec, max_len, out_size)
+
+
+def _decode_fn(graphdef, params, st, dyn, max_rounds, spec):
+  """Runs rounds until every row is done or ``max_rounds`` rounds have run."""
+  TRACES["decode"] += 1
+  target, drafter = nnx.merge(graphdef, params)
+
+  def cond(carry):
+    st, i = carry
+    return jnp.any(~st.done) & (i < max_rounds)  # some row still decoding; round budget left
+
+  def body(carry):
+    st, i = carry
+    if spec.tree is None:
+      return _ar_round(target, st, dyn, spec), i + 1
+    return _spec_round(target, drafter, st, dyn, spec), i + 1
+
+  st, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0)))
+  return st
+
+
+_prefill_jit = jax.jit(_prefill_fn, static_argnames=("graphdef", "spec", "max_len", "out_size"))
+_decode_jit = jax.jit(_decode_fn, static_argnames=("graphdef", "spec"), donate_argnums=(2,))
+
+
+def trace_count() -> int:
+  """How many times the engine's jitted functions have been traced (compiled) so far."""
+  return TRACES["prefill"] + TRACES["decode"]

@@ -1,0 +1,216 @@
+"""``generate``: host-side entry point of the engine (validation, padding buckets, stats)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3jax import engine as eng
+from eagle3jax.attention import ATTENTION_IMPLS, default_attention_impl
+from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.sampling import SamplingParams
+from eagle3jax.sharding import BATCH, SEQ, shard
+from eagle3jax.tree import TreeShape
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass
+class GenerateResult:
+  """``tokens``: one list of new token ids per prompt; ``stats``: acceptance and speed."""
+  tokens: list[list[int]]
+  stats: dict
+
+
+def prompt_bucket(n: int) -> int:
+  """Prompts are padded to a power of two (>= 16): lengths in one bucket share a compilation."""
+  return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
+
+
+def check_capture(drafter, capture) -> CaptureSpec:
+  """The capture contract at serving time: what the drafter was trained on, or a loud error."""
+  trained = drafter.config.capture
+  capture = as_capture_spec(capture)
+  if capture is None:
+    return trained
+  if capture.layer_ids != trained.layer_ids:
+    raise ValueError(
+        f"capture layers {capture.as_list()} differ from the layers the drafter was trained on "
+        f"{trained.as_list()} (project convention: id i = output of target layer i, -1 = "
+        f"embedding). Serving a drafter with other hidden states than its training data "
+        f"silently destroys acceptance; pass capture=None to use the drafter's "
+        f"{trained.as_list()}")
+  return dataclasses.replace(capture, layout=capture.layout)
+
+
+def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+    raise ValueError("prompts must be a non-empty list of token-id lists")
+  out = []
+  for i, p in enumerate(prompts):
+    if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+      raise ValueError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+    p = [int(t) for t in p]
+    if not p:
+      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    bad = [t for t in p if not 0 <= t < vocab_size]
+    if bad:
+      raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+    out.append(p)
+  return out
+
+
+def _cache_len(need: int) -> int:
+  return -(-need // 64) * 64
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(name, fn, *args, **static):
+  """AOT-compiles ``fn`` for these arguments once; later calls with the same shapes reuse it."""
+  leaves, treedef = jax.tree.flatten(args)
+  key = (name, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
+         tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+  hit = _COMPILED.get(key)
+  if hit is None:
+    t0 = time.perf_counter()
+    hit = fn.lower(*args, **static).compile()
+    _COMPILED[key] = hit
+    return hit, time.perf_counter() - t0
+  return hit, 0.0
+
+
+def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, num_steps: int = 5, topk: int = 1,
+             num_draft_tokens: int = 6, capture: CaptureSpec | Sequence[int] | None = None,
+             eos_ids: Sequence[int] | None = None, seed: int = 0,
+             attention_impl: str | None = None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerateResult:
+  """Generates continuations of ``prompts`` with EAGLE-3 speculative decoding.
+
+  Args:
+    target: a target from ``load_target``/``init_target``.
+    drafter: a drafter from ``load_drafter``/``init_drafter``, or None for plain
+      autoregressive decoding through the same target code (the baseline).
+    prompts: list of token-id lists (lengths may differ).
+    max_new_tokens: new tokens per prompt at most.
+    temperature: 0 for greedy; otherwise sampling with ``top_p`` and ``top_k``.
+    num_steps, topk, num_draft_tokens: draft tree shape (``topk=1``: a chain of
+      ``num_steps + 1`` tokens; then ``num_draft_tokens`` is set to ``num_steps + 1``).
+    capture: None uses the drafter's recorded capture; any other must equal it.
+    eos_ids: None takes the target config's EOS ids; ``[]`` disables stopping on EOS.
+    seed: sampling seed (one key per row).
+    attention_impl: target attention (default: the Pallas kernel on GPU, XLA elsewhere).
+    on_tokens: called after every round with the tokens emitted so far (streaming); this
+      costs one host sync per round.
+
+  Returns:
+    ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
+    + 1 per round), ``acceptance_per_position``, ``rounds``, ``tokens_per_s`` (excluding
+    compilation), ``compile_s``, ``new_tokens``.
+  """
+  cfg = target.config
+  prompts = _validate_prompts(prompts, cfg.vocab_size)
+  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+  if temperature < 0:
+    raise ValueError(f"temperature={temperature} must be >= 0")
+  if not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  if top_k < 0 or top_k > cfg.vocab_size:
+    raise ValueError(f"top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}]")
+  impl = attention_impl or default_attention_impl()
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl={impl!r}; choose one of {ATTENTION_IMPLS}")
+  longest = max(len(p) for p in prompts)
+  if longest + max_new_tokens > cfg.max_position_embeddings:
+    raise ValueError(
+        f"prompt too long: the longest prompt has {longest} tokens and max_new_tokens="
+        f"{max_new_tokens}, which exceeds the target's max_position_embeddings="
+        f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+  if drafter is None:
+    tree, spec_capture = None, None
+  else:
+    if topk == 1:
+      num_draft_tokens = num_steps + 1
+    tree = TreeShape(num_steps, topk, num_draft_tokens)
+    spec_capture = check_capture(drafter, capture)
+    spec_capture.validate(cfg.num_hidden_layers)
+    if drafter.config.feature_size != cfg.hidden_size:
+      raise ValueError(f"drafter target_hidden_size={drafter.config.feature_size} differs from "
+                       f"the target's hidden_size={cfg.hidden_size}")
+  spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=temperature == 0.0,
+                                                           top_k=int(top_k)),
+                        capture=spec_capture, attention_impl=impl)
+  eos = cfg.eos_token_ids if eos_ids is None else tuple(int(e) for e in eos_ids)
+  eos_arr = np.full((max(1, len(eos)),), -1, np.int32)
+  eos_arr[:len(eos)] = eos
+
+  b = len(prompts)
+  t = prompt_bucket(longest)
+  max_len = _cache_len(t + max_new_tokens + spec.slots_needed + spec.commit_width + 1)
+  out_size = max_new_tokens + spec.commit_width
+  tokens = np.zeros((b, t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts], np.int32)
+
+  graphdef, params = nnx.split((target, drafter))
+  with jax.set_mesh(target.mesh):
+    keys = jax.random.key_data(jax.random.split(jax.random.key(seed), b))
+    keys = shard(jnp.asarray(keys), (BATCH, None))
+    dyn = eng.Dynamic(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
+                      eos=jnp.asarray(eos_arr), max_new=jnp.int32(max_new_tokens))
+    tokens_d = shard(jnp.asarray(tokens), (BATCH, SEQ))
+    lengths_d = shard(jnp.asarray(lengths), (BATCH,))
+    prefill, c1 = _compiled("prefill", eng._prefill_jit, graphdef, params, tokens_d,
+                            lengths_d, keys, dyn, spec=spec, max_len=max_len,
+                            out_size=out_size)
+    t0 = time.perf_counter()
+    st = prefill(params, tokens_d, lengths_d, keys, dyn)
+    jax.block_until_ready(st.out)
+    prefill_s = time.perf_counter() - t0
+    budget = jnp.int32(1 if on_tokens else max_new_tokens + 1)
+    decode, c2 = _compiled("decode", eng._decode_jit, graphdef, params, st, dyn, budget,
+                           spec=spec)
+    t0 = time.perf_counter()
+    while True:
+      st = decode(params, st, dyn, budget)
+      if on_tokens is None:
+        break
+      out_len = np.asarray(st.out_len)
+      out = np.asarray(st.out)
+      on_tokens([out[i, :out_len[i]].tolist() for i in range(b)])
+      if np.asarray(st.done).all():
+        break
+    jax.block_until_ready(st.out)
+    decode_s = time.perf_counter() - t0
+  out = np.asarray(st.out)
+  out_len = np.asarray(st.out_len)
+  result = [out[i, :out_len[i]].tolist() for i in range(b)]
+  rounds = np.asarray(st.rounds)
+  accepted = np.asarray(st.accepted)
+  hist = np.asarray(st.hist).sum(axis=0)
+  total_rounds = int(rounds.sum())
+  # acceptance_per_position[d]: fraction of rounds that accepted at least d + 1 drafts.
+  per_pos = ([float(hist[d + 1:].sum() / max(total_rounds, 1)) for d in range(len(hist) - 1)]
+             if tree is not None else [])
+  new_tokens = int(out_len.sum())
+  stats = {
+      "accept_length_mean": float(accepted.sum() / max(total_rounds, 1)),
+      "acceptance_per_position": per_pos,
+      "rounds": total_rounds,
+      "new_tokens": new_tokens,
+      "prefill_s": prefill_s,
+      "decode_s": decode_s,
+      "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
+      "compile_s": c1 + c2,
+  }
+  return GenerateResult(result, stats)

@@ -1,0 +1,110 @@
+"""EAGLE-2 dynamic draft trees: expansion, selection, masks and positions (inside jit).
+
+Per row, the tree is built from a *pool* of candidates in level order:
+
+* level 1: the ``topk`` most likely children of the root (the last committed token);
+* each later level: ``topk`` children of each of the ``topk`` frontier nodes (``topk**2``
+  candidates), of which the global ``topk`` by cumulative log-probability form the next
+  frontier.
+
+The ``num_draft_tokens - 1`` best pool entries by cumulative log-probability are kept; since a
+child never scores above its parent, the selection is ancestor-closed, and sorting it by pool
+index puts parents before children. Node 0 is the root. With ``topk = 1`` the tree is a chain.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from eagle3jax.sharding import batch_major as bm
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeShape:
+  """Static tree settings: ``num_steps`` drafted levels, ``topk`` branching, and the number of
+  verified tokens ``num_draft_tokens`` (root included)."""
+  num_steps: int
+  topk: int
+  num_draft_tokens: int
+
+  def __post_init__(self):
+    if self.num_steps < 1:
+      raise ValueError(f"num_steps={self.num_steps} must be >= 1")
+    if self.topk < 1:
+      raise ValueError(f"topk={self.topk} must be >= 1")
+    if not 2 <= self.num_draft_tokens <= self.pool_size + 1:
+      raise ValueError(
+          f"num_draft_tokens={self.num_draft_tokens} must be between 2 and "
+          f"{self.pool_size + 1} (1 + topk + (num_steps - 1) * topk**2) for num_steps="
+          f"{self.num_steps}, topk={self.topk}")
+
+  @property
+  def pool_size(self) -> int:
+    return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+  @property
+  def pool_levels(self) -> np.ndarray:
+    """Depth (1-based level) of each pool entry."""
+    levels = [1] * self.topk
+    for j in range(2, self.num_steps + 1):
+      levels += [j] * self.topk * self.topk
+    return np.asarray(levels, np.int32)
+
+  @property
+  def tree_window(self) -> int:
+    """Drafter cache slots used by tree levels in one round."""
+    return max(1, (self.num_steps - 1) * self.topk)
+
+
+def select(pool_score: jax.Array, pool_parent: jax.Array, pool_token: jax.Array,
+           root_token: jax.Array, shape: TreeShape):
+  """Keeps the best ``num_draft_tokens - 1`` pool entries of each row.
+
+  Args:
+    pool_score: ``[B, M]`` cumulative log-probabilities.
+    pool_parent: ``[B, M]`` parent pool index (-1: the root).
+    pool_token: ``[B, M]`` target token ids.
+    root_token: ``[B]`` the root (last committed) token.
+
+  Returns:
+    ``tokens [B, P]``, ``parent [B, P]`` (node index; the root is its own parent),
+    ``depth [B, P]``, ``mask [B, P, P]`` (ancestor closure incl. self).
+  """
+  b, m = pool_score.shape
+  p = shape.num_draft_tokens
+  _, best = jax.lax.top_k(pool_score, p - 1)
+  sel = jnp.sort(best, axis=-1)                                            # [B, P-1]
+  pp = jnp.take_along_axis(pool_parent, sel, axis=1)                      # [B, P-1]
+  # Node index of each parent: where the parent's pool index sits in ``sel`` (+1 for the root).
+  eq = pp[:, :, None] == sel[:, None, :]
+  node_parent = jnp.where(jnp.any(eq, -1), jnp.argmax(eq, -1) + 1, 0).astype(jnp.int32)
+  zero = bm(jnp.zeros((b, 1), jnp.int32))
+  parent = jnp.concatenate([zero, bm(node_parent)], axis=1)
+  levels = bm(jnp.broadcast_to(jnp.asarray(shape.pool_levels), (b, m)))
+  depth = jnp.concatenate([zero, jnp.take_along_axis(levels, sel, axis=1)], axis=1)
+  tokens = jnp.concatenate([bm(root_token[:, None]),
+                            bm(jnp.take_along_axis(pool_token, sel, 1))], 1)
+  return tokens, parent, depth, ancestor_mask(parent, shape.num_steps)
+
+
+def ancestor_mask(parent: jax.Array, max_depth: int) -> jax.Array:
+  """``[B, P, P]``: node i sees node j iff j is i or an ancestor (root's parent is itself)."""
+  b, p = parent.shape
+  eye = bm(jnp.broadcast_to(jnp.eye(p, dtype=bool), (b, p, p)))
+  mask, cur = eye, bm(jnp.broadcast_to(jnp.arange(p), (b, p)))
+  for _ in range(max_depth):
+    cur = jnp.take_along_axis(parent, cur, axis=1)
+    mask = mask | jax.nn.one_hot(cur, p, dtype=bool)
+  return mask
+
+
+def path_of(mask_row: jax.Array, depth: jax.Array, length: int) -> jax.Array:
+  """Node index at each depth ``0..length-1`` on the root-to-node path given by ``mask_row``
+  ``[B, P]`` (0 past the node's depth)."""
+  d = jnp.arange(length)[None, :, None]
+  on = mask_row[:, None, :] & (depth[:, None, :] == d)                   # [B, L, P]
+  return jnp.argmax(on, axis=-1).astype(jnp.int32)

@@ -1,0 +1,48 @@
+"""Targets and drafters for engine tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eagle3jax
+from eagle3jax.capture import CaptureSpec
+
+CFG = eagle3jax.LlamaConfig.tiny(num_hidden_layers=8, vocab_size=131, eos_token_ids=(2,))
+CAPTURE = CaptureSpec((-1, 3, 6))
+
+
+def target(mesh=None, cfg=CFG):
+  return eagle3jax.init_target(cfg, mesh=mesh, seed=0, std=0.1)
+
+
+def random_drafter(tgt, capture=CAPTURE, seed=1):
+  cfg = eagle3jax.DrafterConfig.for_target(tgt.config, capture)
+  return eagle3jax.init_drafter(cfg, target=tgt, seed=seed, std=0.1)
+
+
+def copy_drafter(tgt, capture=CAPTURE):
+  """A drafter that proposes the token two positions back (exact on 2-cycles, which random
+  tiny targets fall into): fc passes the embedding capture (-1) through, attention and MLP
+  add nothing, and the head scores tokens by embedding similarity. So drafts are accepted
+  sometimes and rejected sometimes: every acceptance path of the engine runs."""
+  assert capture.layer_ids[0] == -1
+  dr = random_drafter(tgt, capture)
+  d = tgt.config.hidden_size
+  k = len(capture.layer_ids)
+  fc = np.zeros((k * d, d), np.float32)
+  fc[:d] = np.eye(d)
+  emb = np.asarray(tgt.embed_tokens[...], np.float32)
+
+  def put(var, value):
+    old = var[...]
+    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
+
+  put(dr.fc, fc)
+  put(dr.self_attn.o_proj, np.zeros(dr.self_attn.o_proj[...].shape))
+  put(dr.mlp.down_proj, np.zeros(dr.mlp.down_proj[...].shape))
+  put(dr.norm.weight, np.ones(d))
+  put(dr.lm_head, emb.T * 10.0)
+  return dr
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 3], [1, 2 + 1, 4], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
