@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from eagle3jax.sampling import sample
+from eagle3jax.sharding import gather_rows, pick_rows
 
 
 def greedy(logits: jax.Array, tokens: jax.Array, parent: jax.Array, depth: jax.Array,
@@ -27,12 +28,12 @@ def greedy(logits: jax.Array, tokens: jax.Array, parent: jax.Array, depth: jax.A
   Returns ``(best [B], accepted [B], bonus [B])``.
   """
   target = jnp.argmax(logits, axis=-1).astype(jnp.int32)                   # [B, P]
-  correct = tokens == jnp.take_along_axis(target, parent, axis=1)
+  correct = tokens == gather_rows(target, parent)
   correct = correct.at[:, 0].set(True)
   ok = jnp.all(~mask | correct[:, None, :], axis=-1)                       # [B, P]
   best = jnp.argmax(jnp.where(ok, depth, -1), axis=-1).astype(jnp.int32)
-  accepted = jnp.take_along_axis(depth, best[:, None], 1)[:, 0]
-  bonus = jnp.take_along_axis(target, best[:, None], 1)[:, 0]
+  accepted = pick_rows(depth, best)
+  bonus = pick_rows(target, best)
   return best, accepted, bonus
 
 

@@ -16,6 +16,7 @@ saved drafter reloads with no argument.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import safetensors.numpy
+from flax import nnx
 from jax.sharding import Mesh
 
 from eagle3jax.capture import CaptureSpec
@@ -306,3 +308,33 @@ def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
   }
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _draft_logits(graphdef, state, tokens, aux):
+  drafter = nnx.merge(graphdef, state)
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  a, _ = drafter(tokens, drafter.project(aux), positions)
+  return drafter.logits(a)
+
+
+def draft_logits(drafter: Eagle3Drafter, input_ids, aux_hidden) -> jax.Array:
+  """Runs the drafter over a full sequence: ``[B, T, draft_vocab]`` float32 logits.
+
+  Position ``s`` pairs the embedding of ``input_ids[:, s]`` with ``aux_hidden[:, s]`` (so pass
+  the tokens shifted by one relative to the features, as in training), causal attention,
+  positions ``0..T-1``.
+  """
+  from eagle3jax.api import check_tokens  # pylint: disable=import-outside-toplevel
+  cfg = drafter.config
+  tokens = check_tokens(input_ids, cfg.vocab_size)
+  aux = jnp.asarray(aux_hidden)
+  width = cfg.capture.width(cfg.feature_size)
+  if aux.shape != tokens.shape + (width,):
+    raise ValueError(f"aux_hidden has shape {tuple(aux.shape)}; expected "
+                     f"{tokens.shape + (width,)} ([B, T, len(capture) * target_hidden_size] "
+                     f"for capture {cfg.capture.as_list()})")
+  graphdef, state = nnx.split(drafter)
+  with jax.set_mesh(drafter.mesh):
+    return _draft_logits(graphdef, state, jnp.asarray(tokens), aux)

@@ -32,7 +32,8 @@ from eagle3jax import acceptance, tree as tree_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.kv_cache import KVCache, write
 from eagle3jax.sampling import SamplingParams, probabilities, sample
-from eagle3jax.sharding import BATCH, EMBED, SEQ, batch_major as bm, shard
+from eagle3jax.sharding import (BATCH, EMBED, SEQ, batch_major as bm, gather_rows, pick_rows,
+                                shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,7 @@ def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KV
   """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer."""
   src = cache.lengths[:, None] + path                                     # [B, W]
   def move(buf):
-    rows = jnp.take_along_axis(buf, src[:, :, None, None], axis=1)
+    rows = gather_rows(buf, src)
     return write(buf, rows, cache.lengths)
   return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
                  new_lengths)
@@ -163,9 +164,9 @@ def _draft(drafter, st: DecodeState, spec: EngineSpec):
     f_score, sel = jax.lax.top_k(cum, k)
     parent_f = sel // k
     f_idx = k + (j - 1) * k * k + sel
-    f_hidden = jnp.take_along_axis(a, parent_f[:, :, None], axis=1)
-    f_tok = jnp.take_along_axis(c_tok, sel, axis=1)
-    anc = jnp.take_along_axis(anc, parent_f[:, :, None], axis=1)
+    f_hidden = gather_rows(a, parent_f)
+    f_tok = gather_rows(c_tok, sel)
+    anc = gather_rows(anc, parent_f)
   tokens, parent, depth, mask = tree_lib.select(
       jnp.concatenate(pool_score, 1), jnp.concatenate(pool_parent, 1),
       jnp.concatenate(pool_tok, 1), st.bonus, tree)
@@ -197,18 +198,18 @@ def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec
         tree.num_steps)
 
   # --- Step 4: commit ---
-  mask_row = jnp.take_along_axis(mask, best[:, None, None], axis=1)[:, 0]
+  mask_row = pick_rows(mask, best)
   path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
   new_m = jnp.where(active, m + acc + 1, m)
   tcache = _commit_cache(tcache, path, new_m)
   d = jnp.arange(w, dtype=jnp.int32)[None, :]
-  after = jnp.take_along_axis(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1), 1)
+  after = gather_rows(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1))
   new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]
-  feats = jnp.take_along_axis(aux, path[:, :, None], axis=1)              # [B, W, k*Dt]
+  feats = gather_rows(aux, path)              # [B, W, k*Dt]
   causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
   a, dcache = drafter(new_tokens, drafter.project(feats), m[:, None] + d,
                       dcache.with_lengths(m), causal)
-  d_hidden = jnp.take_along_axis(a, acc[:, None, None], axis=1)[:, 0]
+  d_hidden = pick_rows(a, acc)
   dcache = dcache.with_lengths(new_m)
 
   # --- Step 5: emit, stop ---
@@ -261,7 +262,7 @@ def _prefill(target, drafter, tokens, lengths, keys, dyn: Dynamic, spec: EngineS
     d_tok = jnp.where(s == (lengths - 1)[:, None], first[:, None], shifted)
     a, dcache = drafter(d_tok, drafter.project(aux), jnp.broadcast_to(s, (b, t)), dcache,
                         causal)
-    d_hidden = jnp.take_along_axis(a, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    d_hidden = pick_rows(a, lengths - 1)
     d_hidden = shard(d_hidden, (BATCH, EMBED))
     dcache = dcache.with_lengths(lengths)
   w = spec.commit_width

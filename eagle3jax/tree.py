@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from eagle3jax.sharding import batch_major as bm
+from eagle3jax.sharding import batch_major as bm, gather_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,16 +78,16 @@ def select(pool_score: jax.Array, pool_parent: jax.Array, pool_token: jax.Array,
   p = shape.num_draft_tokens
   _, best = jax.lax.top_k(pool_score, p - 1)
   sel = jnp.sort(best, axis=-1)                                            # [B, P-1]
-  pp = jnp.take_along_axis(pool_parent, sel, axis=1)                      # [B, P-1]
+  pp = gather_rows(pool_parent, sel)                      # [B, P-1]
   # Node index of each parent: where the parent's pool index sits in ``sel`` (+1 for the root).
   eq = pp[:, :, None] == sel[:, None, :]
   node_parent = jnp.where(jnp.any(eq, -1), jnp.argmax(eq, -1) + 1, 0).astype(jnp.int32)
   zero = bm(jnp.zeros((b, 1), jnp.int32))
   parent = jnp.concatenate([zero, bm(node_parent)], axis=1)
   levels = bm(jnp.broadcast_to(jnp.asarray(shape.pool_levels), (b, m)))
-  depth = jnp.concatenate([zero, jnp.take_along_axis(levels, sel, axis=1)], axis=1)
+  depth = jnp.concatenate([zero, gather_rows(levels, sel)], axis=1)
   tokens = jnp.concatenate([bm(root_token[:, None]),
-                            bm(jnp.take_along_axis(pool_token, sel, 1))], 1)
+                            gather_rows(pool_token, sel)], 1)
   return tokens, parent, depth, ancestor_mask(parent, shape.num_steps)
 
 
@@ -97,7 +97,7 @@ def ancestor_mask(parent: jax.Array, max_depth: int) -> jax.Array:
   eye = bm(jnp.broadcast_to(jnp.eye(p, dtype=bool), (b, p, p)))
   mask, cur = eye, bm(jnp.broadcast_to(jnp.arange(p), (b, p)))
   for _ in range(max_depth):
-    cur = jnp.take_along_axis(parent, cur, axis=1)
+    cur = gather_rows(parent, cur)
     mask = mask | jax.nn.one_hot(cur, p, dtype=bool)
   return mask
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eagle3jax.sharding.mesh import DATA, TENSOR
@@ -128,3 +129,31 @@ def batch_major(x: jax.Array) -> jax.Array:
   """``shard(x, (BATCH, None, ...))``: for small per-row bookkeeping arrays, so that arrays
   created inside jit (``jnp.zeros((B,))``) and model outputs share one batch layout."""
   return shard(x, (BATCH,) + (None,) * (x.ndim - 1))
+
+
+def pick_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``x[b, index[b]]`` for ``x [B, N, ...]`` and ``index [B]``, as a masked sum.
+
+  A one-hot reduction instead of a gather: it keeps the batch layout under Explicit axes for
+  any B (a gather with size-1 index dimensions has no unambiguous output sharding).
+  """
+  hit = jnp.arange(x.shape[1])[None, :] == index[:, None]                 # [B, N]
+  hit = hit.reshape(hit.shape + (1,) * (x.ndim - 2))
+  if x.dtype == jnp.bool_:
+    return jnp.any(hit & x, axis=1)
+  return jnp.sum(jnp.where(hit, x, jnp.zeros((), x.dtype)), axis=1)
+
+
+def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
+  """``out[b, m] = x[b, index[b, m]]`` for ``x [B, N, ...]`` and ``index [B, M]``.
+
+  Under Explicit axes the output keeps ``x``'s layout (batch and any sharded trailing dims),
+  which a plain ``take_along_axis`` cannot always infer.
+  """
+  b = x.shape[0]
+  rows = batch_major(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], index.shape))
+  index = batch_major(index.astype(jnp.int32))
+  if _current_mesh() is None:
+    return x[rows, index]
+  spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+  return x.at[rows, index].get(out_sharding=P(spec[0], None, *spec[2:x.ndim]))

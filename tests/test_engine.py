@@ -1,0 +1,126 @@
+"""The engine: greedy losslessness, batches, meshes, stopping, compile counts, bad input."""
+
+import numpy as np
+import pytest
+
+import eagle3jax
+from eagle3jax import engine
+from tests import engine_helpers as h
+
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def pair():
+  tgt = h.target()
+  return tgt, h.copy_drafter(tgt)
+
+
+@pytest.fixture(scope="module")
+def baseline(pair):
+  return eagle3jax.generate(pair[0], None, h.PROMPTS, max_new_tokens=MAX_NEW, eos_ids=[])
+
+
+@pytest.mark.parametrize("steps,topk,tokens", [(3, 1, 4), (4, 3, 8), (5, 4, 12)])
+def test_greedy_speculative_equals_autoregressive_batch3(pair, baseline, steps, topk, tokens):
+  tgt, dr = pair
+  out = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=MAX_NEW, num_steps=steps,
+                           topk=topk, num_draft_tokens=tokens, eos_ids=[])
+  assert out.tokens == baseline.tokens
+  assert all(len(t) == MAX_NEW for t in out.tokens)
+  # The copy drafter is right on repeats: drafts were accepted, at several depths.
+  assert out.stats["accept_length_mean"] > 1.2
+  assert out.stats["acceptance_per_position"][1] > 0
+  assert len(out.stats["acceptance_per_position"]) == steps
+
+
+def test_greedy_batch1_and_random_drafter(pair, baseline):
+  tgt, dr = pair
+  one = eagle3jax.generate(tgt, dr, h.PROMPTS[2:], max_new_tokens=MAX_NEW, num_steps=4,
+                           topk=3, num_draft_tokens=8, eos_ids=[])
+  assert one.tokens == baseline.tokens[2:]
+  rnd = eagle3jax.generate(tgt, h.random_drafter(tgt), h.PROMPTS, max_new_tokens=MAX_NEW,
+                           num_steps=3, topk=1, eos_ids=[])
+  assert rnd.tokens == baseline.tokens
+
+
+@pytest.mark.parametrize("mesh_shape,steps,topk,tokens", [((1, 8), 3, 1, 4),
+                                                          ((1, 8), 4, 3, 8),
+                                                          ((2, 4), 5, 4, 12)])
+def test_greedy_on_a_mesh_equals_single_device(baseline, mesh_shape, steps, topk, tokens):
+  mesh = eagle3jax.make_mesh(*mesh_shape)
+  tgt = h.target(mesh)
+  out = eagle3jax.generate(tgt, h.copy_drafter(tgt), h.PROMPTS, max_new_tokens=MAX_NEW,
+                           num_steps=steps, topk=topk, num_draft_tokens=tokens, eos_ids=[])
+  assert out.tokens == baseline.tokens
+
+
+def test_pallas_kernel_in_engine_matches_xla(pair, baseline):
+  tgt, dr = pair
+  out = eagle3jax.generate(tgt, dr, h.PROMPTS[:1], max_new_tokens=8, num_steps=3, topk=1,
+                           eos_ids=[], attention_impl="pallas_interpret")
+  assert out.tokens == [baseline.tokens[0][:8]]
+
+
+def test_eos_and_finished_rows(pair, baseline):
+  tgt, dr = pair
+  # Stop on a token that row 1 emits at index 3 (and not before): row 1 ends there, the
+  # others go on unchanged unless they emit it too.
+  eos = baseline.tokens[1][3]
+  expect = []
+  for toks in baseline.tokens:
+    expect.append(toks[:toks.index(eos) + 1] if eos in toks else toks)
+  for drafter in (None, dr):
+    out = eagle3jax.generate(tgt, drafter, h.PROMPTS, max_new_tokens=MAX_NEW, eos_ids=[eos],
+                             num_steps=4, topk=3, num_draft_tokens=8)
+    assert out.tokens == expect
+  # eos_ids=None takes the config's EOS ids (2 here).
+  cfg_eos = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=MAX_NEW, num_steps=3)
+  for toks, full in zip(cfg_eos.tokens, baseline.tokens):
+    assert toks == (full[:full.index(2) + 1] if 2 in full else full)
+
+
+def test_no_recompilation_across_rounds_and_prompts_in_a_bucket(pair):
+  tgt, dr = pair
+  kw = dict(max_new_tokens=12, num_steps=3, topk=1, eos_ids=[])
+  eagle3jax.generate(tgt, dr, [[1, 2, 3], [4, 5, 6, 7, 8]], **kw)
+  before = engine.trace_count()
+  # Other prompts of lengths in the same bucket (<= 16), more rounds: no new compilation.
+  r = eagle3jax.generate(tgt, dr, [[9] * 11, [3, 4]], **kw)
+  assert engine.trace_count() == before
+  assert r.stats["compile_s"] == 0.0 and r.stats["rounds"] > 4
+  streamed = []
+  s = eagle3jax.generate(tgt, dr, [[9] * 11, [3, 4]], on_tokens=streamed.append, **kw)
+  assert engine.trace_count() == before
+  assert s.tokens == r.tokens and len(streamed) >= 2 and streamed[-1] == r.tokens
+
+
+def test_max_new_tokens_exact_and_stats(pair):
+  tgt, dr = pair
+  out = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=7, num_steps=5, topk=1,
+                           eos_ids=[])
+  assert [len(t) for t in out.tokens] == [7, 7, 7]
+  for key in ("accept_length_mean", "acceptance_per_position", "rounds", "tokens_per_s"):
+    assert key in out.stats
+  assert 1.0 <= out.stats["accept_length_mean"] <= 6.0
+
+
+def test_bad_input_messages(pair):
+  tgt, dr = pair
+  with pytest.raises(ValueError, match="non-empty list"):
+    eagle3jax.generate(tgt, dr, [], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+    eagle3jax.generate(tgt, dr, [[1], []], max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"prompts\[0\] has token ids outside \[0, 131\)"):
+    eagle3jax.generate(tgt, dr, [[1, 500]], max_new_tokens=4)
+  with pytest.raises(ValueError, match="prompt too long"):
+    eagle3jax.generate(tgt, dr, [[1] * 500], max_new_tokens=20)
+  with pytest.raises(ValueError, match="temperature=-1"):
+    eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=4, temperature=-1)
+  with pytest.raises(ValueError, match="top_p=0"):
+    eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=4, temperature=1.0, top_p=0)
+  with pytest.raises(ValueError, match="num_draft_tokens=50"):
+    eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=4, num_steps=2, topk=2,
+                       num_draft_tokens=50)
+  with pytest.raises(ValueError, match="max_new_tokens=0"):
+    eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=0)
