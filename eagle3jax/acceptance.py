@@ -17,8 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3jax.sampling import sample
-from eagle3jax.sharding import gather_rows, pick_rows
+from eagle3jax.sharding import batch_major as bm, gather_rows, pick_rows
 
 
 def greedy(logits: jax.Array, tokens: jax.Array, parent: jax.Array, depth: jax.Array,
@@ -41,34 +40,39 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
                      depth: jax.Array, keys: jax.Array, max_depth: int):
   """``probs [B, P, V]`` target distributions at each node; ``keys [B]`` one key per row.
 
+  Batched over rows (no per-row vmap, so the batch keeps its mesh layout). Uniforms for the
+  accept tests and Gumbel noise for the bonus draw come from each row's key.
+
   Returns ``(best [B], accepted [B], bonus [B])``.
   """
-  return jax.vmap(lambda pr, tk, pa, dp, key: _row(pr, tk, pa, dp, key, max_depth))(
-      probs, tokens, parent, depth, keys)
+  b, p, v = probs.shape
+  uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_depth, p)))(keys)   # [B, D, P]
+  gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 1), (v,)))(keys)
+  vocab = jnp.arange(v, dtype=jnp.int32)[None, :]
+  cur = bm(jnp.zeros((b,), jnp.int32))
+  dist = bm(probs[:, 0])
+  descending = bm(jnp.ones((b,), bool))
+  for level in range(max_depth):
+    u_level = uniforms[:, level]                                                # [B, P]
 
-
-def _row(probs, tokens, parent, depth, key, max_depth):
-  p = tokens.shape[0]
-
-  def level(_, carry):
-    cur, dist, descending, key = carry
-
-    def try_child(j, c):
-      cur_next, dist, found, key = c
-      key, sub = jax.random.split(key)
-      is_child = (parent[j] == cur) & (j > 0) & descending & ~found
-      x = tokens[j]
-      accept = is_child & (jax.random.uniform(sub) < dist[x])
+    def try_child(j, carry, u_level=u_level, cur=cur, descending=descending):
+      nxt, dist, found = carry
+      par = jax.lax.dynamic_index_in_dim(parent, j, axis=1, keepdims=False)
+      x = jax.lax.dynamic_index_in_dim(tokens, j, axis=1, keepdims=False)
+      u = jax.lax.dynamic_index_in_dim(u_level, j, axis=1, keepdims=False)
+      is_child = (par == cur) & descending & ~found
+      px = jnp.sum(jnp.where(vocab == x[:, None], dist, 0.0), axis=-1)
+      accept = is_child & (u < px)
       reject = is_child & ~accept
-      dist = jnp.where(reject, dist.at[x].set(0.0), dist)
-      dist = jnp.where(reject, dist / jnp.maximum(jnp.sum(dist), 1e-30), dist)
-      return (jnp.where(accept, j, cur_next), dist, found | accept, key)
+      zeroed = jnp.where(vocab == x[:, None], 0.0, dist)
+      zeroed = zeroed / jnp.maximum(jnp.sum(zeroed, axis=-1, keepdims=True), 1e-30)
+      dist = jnp.where(reject[:, None], zeroed, dist)
+      return bm(jnp.where(accept, j, nxt)), bm(dist), bm(found | accept)
 
-    nxt, dist, found, key = jax.lax.fori_loop(1, p, try_child, (cur, dist, False, key))
+    nxt, dist, found = jax.lax.fori_loop(1, p, try_child,
+                                         (cur, dist, bm(jnp.zeros((b,), bool))))
     # Descend into the accepted child; its distribution becomes the next level's.
-    dist = jnp.where(found, probs[nxt], dist)
-    return nxt, dist, descending & found, key
-
-  cur, dist, _, key = jax.lax.fori_loop(0, max_depth, level, (0, probs[0], True, key))
-  bonus = sample(jax.random.fold_in(key, 1), dist)
-  return jnp.int32(cur), depth[cur].astype(jnp.int32), bonus
+    dist = jnp.where(found[:, None], pick_rows(probs, nxt), dist)
+    cur, descending = nxt, descending & found
+  bonus = jnp.argmax(jnp.log(dist) + gumbel, axis=-1).astype(jnp.int32)
+  return cur, pick_rows(depth, cur), bonus

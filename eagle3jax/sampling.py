@@ -33,13 +33,12 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
     kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   probs = jax.nn.softmax(logits, axis=-1)
-  order = jnp.argsort(-probs, axis=-1)
-  sorted_probs = jnp.take_along_axis(probs, order, axis=-1)
+  sorted_probs = -jnp.sort(-probs, axis=-1)
   mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  keep_sorted = mass_before < top_p
-  keep = jnp.zeros_like(keep_sorted).at[
-      tuple(jnp.indices(order.shape)[:-1]) + (order,)].set(keep_sorted)
-  probs = jnp.where(keep, probs, 0.0)
+  # The least likely kept token's probability: everything at least as likely is kept.
+  threshold = jnp.min(jnp.where(mass_before < top_p, sorted_probs, jnp.inf), axis=-1,
+                      keepdims=True)
+  probs = jnp.where(probs >= threshold, probs, 0.0)
   return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 

@@ -1,0 +1,74 @@
+"""Sampling losslessness: speculative sampling draws the same distribution as the target.
+
+On a 7-token vocabulary, the joint distribution of the first three generated tokens of many
+independent rows (one PRNG key per row) under speculative sampling is compared with plain
+autoregressive sampling by a chi-square test of homogeneity (fixed seeds; significance 0.001,
+cells with expected count < 5 pooled). The same test also shows it has power: a different
+temperature is rejected.
+"""
+
+import math
+
+import numpy as np
+import pytest
+
+import eagle3jax
+from tests import engine_helpers as h
+
+ROWS = 2400
+CFG = eagle3jax.LlamaConfig.tiny(vocab_size=7, num_hidden_layers=8, eos_token_ids=())
+
+
+def chi2_homogeneity(a: np.ndarray, b: np.ndarray, vocab: int):
+  """Chi-square statistic and critical value (p = 0.001) for two samples of sequences."""
+  ka = np.bincount(a @ vocab ** np.arange(a.shape[1]), minlength=vocab ** a.shape[1])
+  kb = np.bincount(b @ vocab ** np.arange(b.shape[1]), minlength=vocab ** b.shape[1])
+  na, nb = ka.sum(), kb.sum()
+  total = ka + kb
+  order = np.argsort(total)
+  cells, cur_a, cur_b = [], 0, 0
+  for i in order:  # pool the rarest cells until each pooled cell expects >= 5 per sample
+    cur_a, cur_b = cur_a + ka[i], cur_b + kb[i]
+    if min((cur_a + cur_b) * na, (cur_a + cur_b) * nb) / (na + nb) >= 5:
+      cells.append((cur_a, cur_b))
+      cur_a = cur_b = 0
+  if cur_a + cur_b:
+    cells[-1] = (cells[-1][0] + cur_a, cells[-1][1] + cur_b)
+  stat = 0.0
+  for ca, cb in cells:
+    t = ca + cb
+    ea, eb = t * na / (na + nb), t * nb / (na + nb)
+    stat += (ca - ea) ** 2 / ea + (cb - eb) ** 2 / eb
+  dof = len(cells) - 1
+  z = 3.0902  # one-sided normal quantile for p = 0.001 (Wilson-Hilferty approximation)
+  critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+  return stat, critical
+
+
+@pytest.fixture(scope="module")
+def pair():
+  tgt = eagle3jax.init_target(CFG, seed=5, std=0.35)
+  return tgt, h.copy_drafter(tgt)
+
+
+def _first3(tgt, drafter, temperature, top_p, seed, **kw):
+  out = eagle3jax.generate(tgt, drafter, [[1, 2, 3]] * ROWS, max_new_tokens=3,
+                           temperature=temperature, top_p=top_p, seed=seed, eos_ids=[], **kw)
+  return np.array(out.tokens), out.stats
+
+
+@pytest.mark.parametrize("temperature,top_p,tree", [(1.0, 1.0, (3, 1, 4)),
+                                                    (0.8, 0.85, (3, 2, 5))])
+def test_speculative_sampling_matches_autoregressive(pair, temperature, top_p, tree):
+  tgt, dr = pair
+  steps, topk, tokens = tree
+  ar, _ = _first3(tgt, None, temperature, top_p, seed=11)
+  spec, stats = _first3(tgt, dr, temperature, top_p, seed=23, num_steps=steps, topk=topk,
+                        num_draft_tokens=tokens)
+  assert stats["accept_length_mean"] > 1.05  # drafts were accepted, so acceptance ran
+  stat, critical = chi2_homogeneity(ar, spec, 7)
+  assert stat < critical, f"chi2={stat:.1f} >= {critical:.1f}"
+  if temperature == 1.0:  # power: another temperature is told apart
+    other, _ = _first3(tgt, None, 0.6, top_p, seed=11)
+    stat2, critical2 = chi2_homogeneity(other, spec, 7)
+    assert stat2 > critical2, f"chi2={stat2:.1f} <= {critical2:.1f}"
