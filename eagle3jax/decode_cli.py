@@ -1,0 +1,136 @@
+"""The decode command (``scripts/decode.py``): flags, loading, streaming, stats."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_TARGET = os.path.join(REPO, "models", "default", "target")
+DEFAULT_DRAFTER = os.path.join(REPO, "models", "default", "drafter")
+DEFAULT_PROMPT = "def fibonacci(n):"
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="decode.py", description="EAGLE-3 speculative decoding with eagle3jax.")
+  p.add_argument("--target", default=DEFAULT_TARGET,
+                 help="Hugging Face target directory (config.json, safetensors, tokenizer.json)")
+  p.add_argument("--drafter", default=DEFAULT_DRAFTER, help="EAGLE-3 drafter directory")
+  src = p.add_mutually_exclusive_group()
+  src.add_argument("--prompt", default=None, help="prompt text (tokenised with the target's "
+                   "tokenizer.json; chat template applied when the directory has one)")
+  src.add_argument("--prompt-ids", default=None, help="comma-separated prompt token ids")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--steps", type=int, default=5, help="draft steps (tree depth)")
+  p.add_argument("--topk", type=int, default=1, help="branching per draft step (1 = chain)")
+  p.add_argument("--draft-tokens", type=int, default=6,
+                 help="verified tokens per round, root included (chains use steps + 1)")
+  p.add_argument("--mesh", default="1,1", help="DATA,TENSOR mesh shape")
+  p.add_argument("--aux-layer-convention", choices=("input", "output"), default=None,
+                 help="needed only for drafters whose config gives capture ids without one")
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--baseline", action="store_true",
+                 help="also run autoregressive decoding; report speedup and, for greedy, "
+                      "whether the outputs match")
+  p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+  return p
+
+
+def _mesh(text: str):
+  import eagle3jax  # pylint: disable=import-outside-toplevel
+  try:
+    data, tensor = (int(x) for x in text.split(","))
+  except ValueError:
+    raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, e.g. 1,8") from None
+  return eagle3jax.make_mesh(data, tensor)
+
+
+def run(argv=None) -> int:
+  args = parser().parse_args(argv)
+  try:
+    return _run(args)
+  except (ValueError, OSError) as e:
+    print(f"decode.py: error: {e}", file=sys.stderr)
+    return 2
+
+
+def _run(args) -> int:
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import eagle3jax  # pylint: disable=import-outside-toplevel
+  from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
+
+  for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
+    if not os.path.isdir(path):
+      hint = (" (the shipped default models are not in this checkout; pass --target and "
+              "--drafter)" if path in (DEFAULT_TARGET, DEFAULT_DRAFTER) else "")
+      raise ValueError(f"{flag} {path!r} is not a directory{hint}")
+  mesh = _mesh(args.mesh)
+  dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
+  target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype)
+  drafter = eagle3jax.load_drafter(args.drafter, target=target,
+                                   aux_layer_convention=args.aux_layer_convention)
+  codec = None
+  if args.prompt_ids is not None:
+    try:
+      prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
+    except ValueError:
+      raise ValueError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated "
+                       "integers") from None
+    if os.path.exists(os.path.join(args.target, "tokenizer.json")):
+      codec = TextCodec(args.target)
+  else:
+    codec = TextCodec(args.target)
+    prompt = codec.encode_prompt(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
+  kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+  spec_kw = dict(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
+
+  printed = [0]
+
+  def stream(tokens):
+    text = codec.decode(tokens[0]) if codec else " ".join(map(str, tokens[0]))
+    sys.stdout.write(text[printed[0]:])
+    sys.stdout.flush()
+    printed[0] = len(text)
+
+  # One warm-up of the same shapes compiles everything, so the timed runs measure decoding.
+  eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw)
+  result = eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw,
+                              on_tokens=None if args.json else stream)
+  out = result.tokens[0]
+  report = {
+      "output_ids": out,
+      "text": codec.decode(out) if codec else None,
+      "accept_length_mean": result.stats["accept_length_mean"],
+      "acceptance_per_position": result.stats["acceptance_per_position"],
+      "tokens_per_s": result.stats["tokens_per_s"],
+  }
+  if args.baseline:
+    eagle3jax.generate(target, None, [prompt], **kw)
+    base = eagle3jax.generate(target, None, [prompt], **kw)
+    report["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
+    report["speedup"] = result.stats["tokens_per_s"] / base.stats["tokens_per_s"]
+    report["matches_baseline"] = (base.tokens[0] == out) if args.temperature == 0 else None
+  if args.json:
+    print(json.dumps(report))
+    return 0
+  print("\n")
+  rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
+          ("accept length (mean)", f"{report['accept_length_mean']:.2f}"),
+          ("acceptance per position",
+           " ".join(f"{a:.2f}" for a in report["acceptance_per_position"])),
+          ("tokens/s", f"{report['tokens_per_s']:.1f}")]
+  if args.baseline:
+    rows += [("baseline tokens/s", f"{report['baseline_tokens_per_s']:.1f}"),
+             ("speedup", f"{report['speedup']:.2f}x"),
+             ("matches baseline", report["matches_baseline"])]
+  for name, value in rows:
+    print(f"{name:<26}{value}")
+  return 0

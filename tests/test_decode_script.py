@@ -1,0 +1,76 @@
+"""scripts/decode.py end to end on a tiny checkpoint with a tokenizer (in-process)."""
+
+import json
+import subprocess
+import sys
+
+import jax.numpy as jnp
+import pytest
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import eagle3jax
+from eagle3jax.decode_cli import run
+from tests import hf_models
+
+WORDS = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(94)]
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("decode")
+  target_dir, drafter_dir = root / "target", root / "drafter"
+  hf_models.make_checkpoint(str(target_dir), "llama", layers=8)
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(target_dir / "tokenizer.json"))
+  target = eagle3jax.load_target(str(target_dir), dtype=jnp.float32)
+  cfg = eagle3jax.DrafterConfig.for_target(target.config,
+                                           eagle3jax.CaptureSpec.eagle3_default(8))
+  eagle3jax.save_drafter(eagle3jax.init_drafter(cfg, target=target, seed=3), str(drafter_dir))
+  return str(target_dir), str(drafter_dir)
+
+
+def test_json_with_baseline(dirs, capsys):
+  target, drafter = dirs
+  rc = run(["--target", target, "--drafter", drafter, "--prompt", "w5 w6 w7 w8",
+            "--max-new-tokens", "12", "--steps", "3", "--json", "--baseline"])
+  assert rc == 0
+  report = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
+  for key in ("output_ids", "text", "accept_length_mean", "acceptance_per_position",
+              "tokens_per_s", "baseline_tokens_per_s", "speedup", "matches_baseline"):
+    assert key in report
+  assert len(report["output_ids"]) == 12 and report["matches_baseline"] is True
+  assert report["text"].split()[0].startswith("w") or report["text"].split()[0].startswith("<")
+
+
+def test_streaming_text_and_stats_table(dirs, capsys):
+  target, drafter = dirs
+  assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "6", "--steps", "3", "--topk", "2",
+              "--draft-tokens", "5"]) == 0
+  out = capsys.readouterr().out
+  assert "accept length (mean)" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--target", "/nonexistent"], "--target '/nonexistent' is not a directory"),
+    (["--mesh", "1"], "expected DATA,TENSOR"),
+    (["--prompt-ids", "1,x"], "expected comma-separated integers"),
+    (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens=0"),
+    (["--prompt-ids", "1,2", "--mesh", "4,4"], "needs 16 devices"),
+])
+def test_one_line_errors(dirs, capsys, argv, message):
+  target, drafter = dirs
+  base = ["--target", target, "--drafter", drafter]
+  assert run(base + argv) == 2
+  err = capsys.readouterr().err
+  assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_script_help_runs():
+  out = subprocess.run([sys.executable, "scripts/decode.py", "--help"], capture_output=True,
+                       text=True, check=True).stdout
+  for flag in ("--target", "--drafter", "--prompt", "--prompt-ids", "--max-new-tokens",
+               "--temperature", "--top-p", "--steps", "--topk", "--draft-tokens", "--mesh",
+               "--aux-layer-convention", "--baseline", "--json"):
+    assert flag in out
