@@ -30,3 +30,8 @@ from eagle3jax.generate import GenerateResult, generate
 __all__ += ["DrafterConfig", "Eagle3Drafter", "draft_logits", "init_drafter", "load_drafter", "save_drafter",
             "GenerateResult", "generate"]
 
+
+# --- Drafter training ---
+from eagle3jax.training import TrainConfig, Trainer, train_drafter
+
+__all__ += ["TrainConfig", "Trainer", "train_drafter"]

@@ -1,0 +1,393 @@
+"""Training an EAGLE-3 drafter: configuration, the jitted train step, checkpoints, the loop.
+
+Only the drafter's own parameters train. Its token embedding is the target's ``embed_tokens``
+variable (shared, reference section 5: frozen), so the parameters are split with the filter
+``TRAINABLE`` (every ``nnx.Param`` whose path does not contain ``embed_tokens``); the embedding
+and the ``d2t``/``t2d`` buffers travel into the step as a separate, non-differentiated state.
+
+Data parallelism is the batch layout: each batch is placed with its batch axis over the mesh's
+``data`` axis and the parameters are replicated over it, so under ``jax.set_mesh`` XLA reduces
+the gradients across ``data``.
+
+Checkpoints (orbax ``CheckpointManager``, synchronous, atomic: a step directory appears only
+once completely written) hold the trainable parameters, the optimiser state, the step and the
+data position, so a killed run restarted with the same directory continues the same sequence
+of batches and losses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+import zlib
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.drafter import DrafterConfig
+from eagle3jax.drafter_io import init_drafter, save_drafter
+from eagle3jax.sharding import BATCH, SEQ, activation_spec
+from eagle3jax.training.data import (DataPosition, TrainingData, build_training_data,
+                                     next_batch, target_features)
+from eagle3jax.training.ttt import ttt_loss
+from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
+
+log = logging.getLogger("eagle3jax")
+
+TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embed_tokens")))
+DEFAULT_DRAFT_VOCAB = 32000
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Hyperparameters of drafter training (defaults follow EAGLE-3 / SpecForge).
+
+  Attributes:
+    learning_rate: peak learning rate of AdamW.
+    warmup_steps: linear warmup from 0 to the peak.
+    total_steps: optimiser steps of the whole run (the cosine decay spans them).
+    final_lr_fraction: the cosine decay ends at ``learning_rate * final_lr_fraction``.
+    b1: AdamW beta1.
+    b2: AdamW beta2.
+    weight_decay: AdamW decoupled weight decay (matrices only, not norm scales).
+    grad_clip: global-norm gradient clipping threshold.
+    batch_size: sequences per step (global, split over the mesh's ``data`` axis).
+    seq_len: T: sequences (prompt + response) are cut and padded to this length.
+    ttt_steps: K, unrolled draft steps of the training-time test.
+    step_decay: TTT step j is weighted ``step_decay**j``.
+    checkpoint_every: save a checkpoint every this many steps (and at the last step).
+    keep_checkpoints: how many recent checkpoints to keep.
+    seed: data order and drafter initialisation.
+    draft_vocab_size: N (None: ``min(32000, target vocab)``).
+    max_new_tokens: response length when the target regenerates the data.
+    temperature: sampling temperature of that regeneration (0: greedy).
+    gen_batch_size: prompts per ``generate`` call during regeneration.
+  """
+  learning_rate: float = 1e-4
+  warmup_steps: int = 100
+  total_steps: int = 1000
+  final_lr_fraction: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.95
+  weight_decay: float = 0.0
+  grad_clip: float = 0.5
+  batch_size: int = 8
+  seq_len: int = 2048
+  ttt_steps: int = 7
+  step_decay: float = 0.8
+  checkpoint_every: int = 500
+  keep_checkpoints: int = 2
+  seed: int = 0
+  draft_vocab_size: int | None = None
+  max_new_tokens: int = 512
+  temperature: float = 0.0
+  gen_batch_size: int = 32
+
+  def __post_init__(self):
+    positive = ("warmup_steps", "total_steps", "batch_size", "seq_len", "ttt_steps",
+                "checkpoint_every", "keep_checkpoints", "max_new_tokens", "gen_batch_size")
+    for name in positive:
+      value = getattr(self, name)
+      low = 0 if name == "warmup_steps" else 1
+      if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"TrainConfig.{name}={value!r} must be an integer >= {low}")
+    if self.warmup_steps >= self.total_steps:
+      raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be below "
+                       f"total_steps={self.total_steps}")
+    if self.seq_len < 3:
+      raise ValueError(f"TrainConfig.seq_len={self.seq_len} must be >= 3")
+    if not self.learning_rate > 0:
+      raise ValueError(f"TrainConfig.learning_rate={self.learning_rate!r} must be positive")
+    for name in ("b1", "b2"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be in [0, 1)")
+    for name in ("final_lr_fraction", "step_decay"):
+      if not 0 <= getattr(self, name) <= 1:
+        raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be in [0, 1]")
+    if self.weight_decay < 0 or self.grad_clip <= 0 or self.temperature < 0:
+      raise ValueError(f"TrainConfig: weight_decay={self.weight_decay} and temperature="
+                       f"{self.temperature} must be >= 0, grad_clip={self.grad_clip} > 0")
+    if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
+                                              or self.draft_vocab_size < 1):
+      raise ValueError(f"TrainConfig.draft_vocab_size={self.draft_vocab_size!r} must be a "
+                       "positive integer or None")
+
+  @classmethod
+  def from_dict(cls, values: dict) -> "TrainConfig":
+    """Builds a config from a dict, refusing unknown field names."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+      raise ValueError(f"unknown TrainConfig fields {unknown}; known: {sorted(known)}")
+    return cls(**values)
+
+  def resolved_draft_vocab_size(self, vocab_size: int) -> int:
+    n = self.draft_vocab_size or min(DEFAULT_DRAFT_VOCAB, vocab_size)
+    if n > vocab_size:
+      raise ValueError(f"TrainConfig.draft_vocab_size={n} exceeds the target vocab_size="
+                       f"{vocab_size}")
+    return n
+
+
+def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """Linear warmup to ``learning_rate``, then cosine decay to ``final_lr_fraction`` of it."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=cfg.total_steps, end_value=cfg.learning_rate * cfg.final_lr_fraction)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """``clip_by_global_norm(grad_clip)`` then AdamW (decay on matrices only)."""
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
+                  weight_decay=cfg.weight_decay,
+                  mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("opt_state",))
+def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, aux, logits, tokens,
+                loss_mask):
+  def loss_fn(p):
+    drafter = nnx.merge(graphdef, p, rest)
+    return ttt_loss(drafter, aux, logits, tokens, loss_mask, steps=cfg.ttt_steps,
+                    decay=cfg.step_decay)
+
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
+  params = optax.apply_updates(params, updates)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  return params, opt_state, loss, metrics
+
+
+# Fields that do not enter the compiled step: normalised away so that runs differing only in
+# them (checkpointing, data generation, seed) share one compilation.
+_NOT_IN_STEP = dict(checkpoint_every=1, keep_checkpoints=1, seed=0, draft_vocab_size=None,
+                    max_new_tokens=1, temperature=0.0, gen_batch_size=1, batch_size=1,
+                    seq_len=3)
+
+
+def step_config(cfg: TrainConfig) -> TrainConfig:
+  """``cfg`` with the fields the train step does not read set to fixed values."""
+  return dataclasses.replace(cfg, **_NOT_IN_STEP)
+
+
+def _fingerprint(data: TrainingData) -> int:
+  return zlib.crc32(np.ascontiguousarray(data.tokens).tobytes()
+                    + np.ascontiguousarray(data.loss_mask).tobytes())
+
+
+def _abstract(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      tree)
+
+
+class Trainer:
+  """Trains ``drafter`` on ``data`` with the TTT loss; resumes from ``checkpoint_dir``.
+
+  The drafter's trainable parameters live in ``trainer.params`` while training; the
+  ``drafter`` property writes them back into the module and returns it.
+  """
+
+  def __init__(self, target, drafter, data: TrainingData, config: TrainConfig, *,
+               checkpoint_dir: str | None = None):
+    if data.seq_len != config.seq_len:
+      raise ValueError(f"training data has seq_len={data.seq_len} but TrainConfig.seq_len="
+                       f"{config.seq_len}")
+    self.target = target
+    self.config = config
+    self.data = data
+    self.capture: CaptureSpec = drafter.config.capture
+    self.mesh = target.mesh
+    self._drafter = drafter
+    self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
+    with jax.set_mesh(self.mesh):
+      self.opt_state = make_optimizer(config).init(self.params)
+    self.step = 0
+    self.position = DataPosition()
+    self.history: list[dict] = []
+    self._manager = None
+    if checkpoint_dir is not None:
+      self._manager = ocp.CheckpointManager(
+          os.path.abspath(checkpoint_dir),
+          options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints,
+                                               enable_async_checkpointing=False))
+      if self._manager.latest_step() is not None:
+        self.restore(self._manager.latest_step())
+
+  # --- features and batches ---
+  def features(self, tokens) -> tuple[jax.Array, jax.Array]:
+    """``(aux, target_logits)`` the step trains on for ``tokens [B, T]``."""
+    return target_features(self.target, tokens, self.capture)
+
+  def _place(self, x: np.ndarray) -> jax.Array:
+    spec = activation_spec((BATCH, SEQ), x.shape, self.mesh)
+    return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+  # --- training ---
+  def train_step(self) -> dict:
+    """One optimiser step on the next batch; returns host metrics of that step."""
+    cfg = self.config
+    tokens, mask, position = next_batch(self.data, self.position, cfg.batch_size, cfg.seed)
+    aux, logits = self.features(tokens)
+    with jax.set_mesh(self.mesh):
+      self.params, self.opt_state, loss, metrics = _train_step(
+          self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, aux,
+          logits, self._place(tokens), self._place(mask))
+    self.step += 1
+    self.position = position
+    record = {"step": self.step, "loss": float(loss),
+              "loss_per_step": np.asarray(metrics["loss"]).tolist(),
+              "acc": np.asarray(metrics["acc"]).tolist(),
+              "grad_norm": float(metrics["grad_norm"]),
+              "lr": float(learning_rate_schedule(cfg)(self.step - 1))}
+    self.history.append(record)
+    if self._manager is not None and (self.step % cfg.checkpoint_every == 0
+                                      or self.step == cfg.total_steps):
+      self.save()
+    return record
+
+  def train(self, num_steps: int | None = None, *, progress: bool = True) -> list[dict]:
+    """Runs ``num_steps`` steps (default: up to ``total_steps``); returns their records."""
+    end = self.config.total_steps if num_steps is None else min(
+        self.step + num_steps, self.config.total_steps)
+    records = []
+    bar = _progress_bar(total=self.config.total_steps, initial=self.step,
+                        disable=not progress)
+    try:
+      while self.step < end:
+        rec = self.train_step()
+        records.append(rec)
+        bar.update(1)
+        bar.set_postfix(loss=f"{rec['loss']:.3f}",
+                        acc="/".join(f"{a:.2f}" for a in rec["acc"]))
+    finally:
+      bar.close()
+    return records
+
+  # --- checkpoints ---
+  def save(self) -> None:
+    """Writes a checkpoint for the current step (atomic; a no-op without a directory)."""
+    if self._manager is None or self._manager.latest_step() == self.step:
+      return
+    meta = {"step": self.step, "epoch": self.position.epoch, "cursor": self.position.cursor,
+            "data_crc": _fingerprint(self.data), "config": dataclasses.asdict(self.config)}
+    tree = {"params": self.params, "opt_state": self.opt_state}
+    self._manager.save(self.step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
+    self._manager.wait_until_finished()
+
+  def restore(self, step: int) -> None:
+    """Loads the checkpoint of ``step``: parameters, optimiser state, data position."""
+    tree = {"params": self.params, "opt_state": self.opt_state}
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(_abstract(tree)), meta=ocp.args.JsonRestore()))
+    meta = out.meta
+    if meta.get("data_crc") != _fingerprint(self.data):
+      raise ValueError(f"the checkpoint of step {step} in {self._manager.directory} was "
+                       "written for other training data (its data position would be "
+                       "meaningless); use the same data or a fresh checkpoint directory")
+    saved = meta.get("config", {})
+    changed = sorted(k for k, v in dataclasses.asdict(self.config).items()
+                     if k in saved and saved[k] != v)
+    if changed:
+      log.warning("resuming step %d with changed TrainConfig fields %s", step, changed)
+    self.params = out.state["params"]
+    self.opt_state = out.state["opt_state"]
+    self.step = int(meta["step"])
+    self.position = DataPosition(int(meta["epoch"]), int(meta["cursor"]))
+    log.info("resumed drafter training at step %d (epoch %d, cursor %d)", self.step,
+             self.position.epoch, self.position.cursor)
+
+  def close(self) -> None:
+    if self._manager is not None:
+      self._manager.close()
+
+  @property
+  def drafter(self):
+    """The drafter module with the current trained parameters written into it."""
+    nnx.update(self._drafter, self.params)
+    return self._drafter
+
+
+def _progress_bar(**kwargs):
+  from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
+  return tqdm(unit="step", dynamic_ncols=True, **kwargs)
+
+
+@dataclasses.dataclass
+class TrainResult:
+  """What ``train_drafter`` returns: the trained drafter, the step records, the vocab."""
+  drafter: object
+  history: list[dict]
+  vocab: DraftVocab
+
+
+def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
+                  config: TrainConfig = TrainConfig(), *,
+                  capture: CaptureSpec | Sequence[int] | None = None,
+                  checkpoint_dir: str | None = None, progress: bool = True,
+                  drafter_overrides: dict | None = None) -> TrainResult:
+  """Trains an EAGLE-3 drafter for ``target`` and exports it to ``out_dir``.
+
+  Steps: the target regenerates responses to ``prompts`` (saved with the checkpoints so a
+  resumed run trains on the same data); the draft vocabulary is the ``draft_vocab_size`` most
+  frequent response tokens; a drafter shaped like one target layer is trained with the TTT
+  loss, checkpointing to ``checkpoint_dir/steps`` (default ``out_dir/train_state``; the
+  regenerated data is kept beside them in ``data.npz``) and resuming from them; the result
+  is written with ``eagle3jax.save_drafter`` (which records the capture).
+
+  Args:
+    target: a target from ``load_target``/``init_target``.
+    prompts: token-id lists.
+    out_dir: where the drafter (``config.json``, ``model.safetensors``) is written.
+    config: hyperparameters.
+    capture: target layers to capture (default ``CaptureSpec.eagle3_default(L)``).
+    checkpoint_dir: training state directory.
+    progress: show a progress bar and print the vocabulary coverage.
+    drafter_overrides: ``DrafterConfig`` fields to override (e.g. a smaller MLP).
+  """
+  capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
+  capture.validate(target.num_layers)
+  checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
+  os.makedirs(checkpoint_dir, exist_ok=True)
+  data_path = os.path.join(checkpoint_dir, "data.npz")
+  if os.path.exists(data_path):
+    data = TrainingData.load(data_path)
+    if data.seq_len != config.seq_len:
+      raise ValueError(f"{data_path} holds sequences of length {data.seq_len}, but "
+                       f"seq_len={config.seq_len}; use a fresh checkpoint directory")
+  else:
+    data = build_training_data(target, prompts, seq_len=config.seq_len,
+                               max_new_tokens=config.max_new_tokens,
+                               temperature=config.temperature, seed=config.seed,
+                               batch_size=config.gen_batch_size)
+    data.save(data_path)
+  vocab_size = target.config.vocab_size
+  vocab = build_draft_vocab(data.responses(), vocab_size,
+                            config.resolved_draft_vocab_size(vocab_size))
+  if progress:
+    print(f"draft vocab: {vocab.size} of {vocab_size} tokens, coverage of response tokens "
+          f"{vocab.coverage:.4f}")
+  dcfg = DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
+                                  **(drafter_overrides or {}))
+  drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t)
+  trainer = Trainer(target, drafter, data, config,
+                    checkpoint_dir=os.path.join(checkpoint_dir, "steps"))
+  try:
+    trainer.train(progress=progress)
+    trainer.save()
+  finally:
+    trainer.close()
+  drafter = trainer.drafter
+  save_drafter(drafter, out_dir)
+  return TrainResult(drafter, trainer.history, vocab)

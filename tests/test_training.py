@@ -1,0 +1,260 @@
+"""Drafter training: TTT mask, draft vocab, features = engine captures, falling loss, resume
+after a kill, export -> load -> lossless decode, the script's flags and errors."""
+
+import functools
+import importlib.util
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import eagle3jax
+from eagle3jax import training
+from eagle3jax.training import ttt
+from tests import engine_helpers
+
+CAPTURE = eagle3jax.CaptureSpec((1, 3, 6))
+SEQ_LEN = 32
+DRAFT_VOCAB = 64
+# One set of step hyperparameters for every training test: they share one compilation.
+CFG = training.TrainConfig(learning_rate=3e-3, warmup_steps=2, total_steps=30, batch_size=4,
+                           seq_len=SEQ_LEN, ttt_steps=7, checkpoint_every=1000,
+                           draft_vocab_size=DRAFT_VOCAB, max_new_tokens=24, seed=0)
+
+
+def test_ttt_attention_mask_hand_worked():
+  # T=3, step j=2. Columns: step-0 keys s=0..2 | step-1 keys | step-2 keys.
+  # Query t sees step-0 keys s <= t (causal) and only key t of steps 1 and 2 (diagonal).
+  expected = np.array([
+      # s0 s1 s2 | d0 d1 d2 | e0 e1 e2
+      [1, 0, 0, 1, 0, 0, 1, 0, 0],  # t = 0
+      [1, 1, 0, 0, 1, 0, 0, 1, 0],  # t = 1
+      [1, 1, 1, 0, 0, 1, 0, 0, 1],  # t = 2
+  ], bool)
+  np.testing.assert_array_equal(ttt.ttt_attention_mask(3, 2), expected)
+  np.testing.assert_array_equal(ttt.ttt_attention_mask(3, 0), np.tril(np.ones((3, 3), bool)))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+  return eagle3jax.make_mesh(2, 1)  # batch split over data: the data-parallel path
+
+
+@pytest.fixture(scope="module")
+def target(mesh):
+  # engine_helpers' tiny target with larger weights: std 0.1 gives near-uniform next-token
+  # distributions (entropy 4.57 of ln(131) = 4.88 nats), which no drafter can fit much
+  # better than a random one; std 0.5 gives LLM-like peaked ones (entropy ~1.6).
+  return eagle3jax.init_target(engine_helpers.CFG, mesh=mesh, seed=0, std=0.5)
+
+
+@pytest.fixture(scope="module")
+def data(target):
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(4)]
+  return prompts, training.build_training_data(target, prompts, seq_len=SEQ_LEN,
+                                               max_new_tokens=24)
+
+
+def _drafter(target, data, seed=0):
+  vocab = training.build_draft_vocab(data.responses(), target.config.vocab_size, DRAFT_VOCAB)
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, CAPTURE,
+                                            draft_vocab_size=DRAFT_VOCAB)
+  return eagle3jax.init_drafter(dcfg, target=target, seed=seed, d2t=vocab.d2t)
+
+
+def test_data_masks_only_responses(data):
+  prompts, d = data
+  for i, p in enumerate(prompts):
+    np.testing.assert_array_equal(d.tokens[i, :len(p)], p)
+    assert not d.loss_mask[i, :len(p)].any()
+    assert d.loss_mask[i, len(p):d.lengths[i]].all()
+    assert not d.loss_mask[i, d.lengths[i]:].any()
+
+
+def test_draft_vocab_round_trip():
+  seqs = [[5, 5, 5, 9, 9, 2, 7, 7, 7, 7], [9, 1, 3]]
+  v = training.build_draft_vocab(seqs, vocab_size=12, draft_vocab_size=4)
+  # counts: 7:4, 5:3, 9:3, then 1, 2, 3 with 1 each (ties -> smaller id: 1).
+  np.testing.assert_array_equal(v.target_ids, [1, 5, 7, 9])
+  np.testing.assert_array_equal(v.d2t, [1, 4, 5, 6])
+  np.testing.assert_array_equal(np.flatnonzero(v.t2d), [1, 5, 7, 9])
+  assert v.coverage == pytest.approx(11 / 13)
+  target_ids = np.array([[9, 1], [7, 5]])
+  draft = v.to_draft(target_ids)
+  np.testing.assert_array_equal(draft, [[3, 0], [2, 1]])
+  np.testing.assert_array_equal(v.to_target(draft), target_ids)
+  np.testing.assert_array_equal(v.to_draft([2, 11]), [-1, -1])
+  np.testing.assert_array_equal(v.to_target(np.arange(4)), v.target_ids)
+
+
+def test_drafter_vocab_matches_init_drafter(target, data):
+  _, d = data
+  dr = _drafter(target, d)
+  vocab = training.build_draft_vocab(d.responses(), 131, DRAFT_VOCAB)
+  np.testing.assert_array_equal(np.asarray(dr.t2d[...]), vocab.t2d)
+  with jax.set_mesh(target.mesh):
+    ids = dr.to_target_ids(jnp.arange(DRAFT_VOCAB)[None])
+  np.testing.assert_array_equal(np.asarray(ids)[0], vocab.target_ids)
+
+
+def test_drafter_layer_step0_equals_drafter_call(target, data):
+  _, d = data
+  dr = _drafter(target, d)
+  tokens = d.tokens[:2]
+  aux = eagle3jax.forward(target, tokens, capture=CAPTURE).aux_hidden
+  with jax.set_mesh(target.mesh):
+    hidden = dr.project(aux)
+    pos = jnp.broadcast_to(jnp.arange(SEQ_LEN), (2, SEQ_LEN))
+    ref, _ = dr(jnp.asarray(tokens), hidden, pos)
+    got, _, _ = ttt.drafter_layer(dr, jnp.asarray(tokens), hidden, pos, [], [],
+                                  ttt.ttt_attention_mask(SEQ_LEN, 0))
+  np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture"))
+def _extend(graphdef, state, tokens, positions, cache, tree_mask, capture):
+  return nnx.merge(graphdef, state)(tokens, positions, cache, tree_mask, capture)
+
+
+def test_trainer_features_equal_forward_and_engine_captures(target, data):
+  _, d = data
+  trainer = training.Trainer(target, _drafter(target, d), d, CFG)
+  tokens = d.tokens
+  aux, logits = trainer.features(tokens)
+  ref = eagle3jax.forward(target, tokens, capture=CAPTURE)
+  np.testing.assert_array_equal(np.asarray(aux), np.asarray(ref.aux_hidden))
+  np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref.logits))
+  # The engine's path: prefill the first 13 tokens into a KV cache, extend by the rest.
+  b, split = tokens.shape[0], 13
+  graphdef, state = nnx.split(target)
+  with jax.set_mesh(target.mesh):
+    cache = target.allocate_cache(b, 64, fill=np.nan)
+    parts = []
+    for lo, hi in ((0, split), (split, SEQ_LEN)):
+      t = hi - lo
+      pos = jnp.broadcast_to(jnp.arange(lo, hi, dtype=jnp.int32), (b, t))
+      causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+      _, ax, cache = _extend(graphdef, state, jnp.asarray(tokens[:, lo:hi]), pos, cache,
+                             causal, CAPTURE)
+      cache = cache.with_lengths(jnp.full((b,), hi, jnp.int32))
+      parts.append(np.asarray(ax))
+  # std-0.5 weights make activations of magnitude ~1e3: compare relative to that scale.
+  scale = float(np.abs(np.asarray(aux)).max())
+  np.testing.assert_allclose(np.concatenate(parts, axis=1), np.asarray(aux), atol=2e-5 * scale)
+
+
+def test_loss_falls_on_fixed_batch_and_embedding_stays_frozen(target, data):
+  _, d = data  # 4 sequences = one batch: every step sees the same batch
+  embed_before = np.asarray(target.embed_tokens[...])
+  trainer = training.Trainer(target, _drafter(target, d), d, CFG)
+  records = trainer.train(progress=False)
+  losses = [r["loss"] for r in records]
+  print(f"\nTTT loss {losses[0]:.4f} -> {losses[-1]:.4f}; per-step acc "
+        f"{[round(a, 3) for a in records[0]['acc']]} -> "
+        f"{[round(a, 3) for a in records[-1]['acc']]}")
+  assert len(losses) == CFG.total_steps
+  assert losses[-1] < 0.8 * losses[0]
+  assert np.mean(records[-1]["acc"]) > np.mean(records[0]["acc"])
+  np.testing.assert_array_equal(np.asarray(target.embed_tokens[...]), embed_before)
+  drafter = trainer.drafter
+  assert drafter.embed_tokens is target.embed_tokens
+  assert not any("embed_tokens" in ".".join(map(str, p))
+                 for p, _ in nnx.to_flat_state(trainer.params))
+
+
+def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
+  rng = np.random.default_rng(5)  # more sequences than a batch: the data cursor matters
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(6)]
+  d = training.build_training_data(target, prompts, seq_len=SEQ_LEN, max_new_tokens=24)
+  n, k = 7, 4
+  cfg = training.TrainConfig(**{**CFG.__dict__, "checkpoint_every": 3})
+  full = training.Trainer(target, _drafter(target, d), d, cfg)
+  expected = [r["loss"] for r in full.train(n, progress=False)]
+
+  ckpt = str(tmp_path / "ckpt")
+  first = training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=ckpt)
+  got = [r["loss"] for r in first.train(k, progress=False)]  # checkpoint at step 3 only
+  del first  # killed after step 4: its step-4 work is lost
+  resumed = training.Trainer(target, _drafter(target, d, seed=99), d, cfg,
+                             checkpoint_dir=ckpt)
+  assert resumed.step == 3
+  got = got[:3] + [r["loss"] for r in resumed.train(n - 3, progress=False)]
+  assert resumed.step == n
+  np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+  other = training.pack(prompts, [[7] * 5] * len(prompts), SEQ_LEN)
+  with pytest.raises(ValueError, match="written for other training data"):
+    training.Trainer(target, _drafter(target, d), other, cfg, checkpoint_dir=ckpt)
+
+
+def test_export_load_decode_is_lossless(target, data, tmp_path):
+  prompts, _ = data
+  out = str(tmp_path / "drafter")
+  result = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE,
+                                   progress=False)
+  assert os.path.exists(os.path.join(out, "config.json"))
+  assert 0 < result.vocab.coverage <= 1
+  loaded = eagle3jax.load_drafter(out, target=target)
+  assert loaded.config.capture == CAPTURE
+  np.testing.assert_array_equal(np.asarray(loaded.d2t[...]), result.vocab.d2t)
+  np.testing.assert_allclose(np.asarray(loaded.lm_head[...]),
+                             np.asarray(result.drafter.lm_head[...]), atol=1e-6)
+  base = eagle3jax.generate(target, None, prompts, max_new_tokens=20)
+  spec = eagle3jax.generate(target, loaded, prompts, max_new_tokens=20)
+  assert spec.tokens == base.tokens
+  print(f"\ntrained drafter on its training prompts: accept_length_mean "
+        f"{spec.stats['accept_length_mean']:.3f}")
+  # A second call resumes from the finished checkpoint: no step is trained again.
+  again = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False)
+  assert again.history == []
+
+
+def _script():
+  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_drafter.py")
+  spec = importlib.util.spec_from_file_location("train_drafter_script", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_script_help_documents_every_flag(capsys):
+  with pytest.raises(SystemExit) as e:
+    _script().run(["--help"])
+  assert e.value.code == 0
+  text = capsys.readouterr().out
+  for flag in ("--target", "--out", "--prompts", "--prompt-ids-file", "--config",
+               "--capture", "--mesh"):
+    assert flag in text
+  for f in training.TrainConfig.__dataclass_fields__:
+    assert "--" + f.replace("_", "-") in text
+
+
+def test_script_config_and_flags(tmp_path):
+  mod = _script()
+  cfg_file = tmp_path / "cfg.json"
+  cfg_file.write_text('{"learning_rate": 0.01, "ttt_steps": 3}')
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--config", str(cfg_file),
+       "--ttt-steps", "5", "--b2", "0.99"])
+  cfg = mod._train_config(args, training.TrainConfig)
+  assert (cfg.learning_rate, cfg.ttt_steps, cfg.b2) == (0.01, 5, 0.99)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--target", "/nonexistent", "--out", "o", "--prompt-ids-file", "p"],
+     "--target '/nonexistent' is not a directory"),
+    (["--target", ".", "--out", "o", "--prompt-ids-file", "/nonexistent.json"],
+     "--prompt-ids-file '/nonexistent.json' does not exist"),
+    (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--mesh", "2"],
+     "--mesh '2' must be DATA,TENSOR"),
+    (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--warmup-steps", "5000"],
+     "warmup_steps=5000 must be below total_steps"),
+])
+def test_script_errors_are_one_line(argv, message, capsys):
+  assert _script().run(argv) == 2
+  err = capsys.readouterr().err
+  assert message in err
+  assert err.count("\n") == 1 and "Traceback" not in err
