@@ -6,6 +6,7 @@ Public API:
 # --- Configuration and capture contract ---
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.config import LlamaConfig
+from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.rope import RopeConfig
 
 # --- Targets ---
@@ -13,13 +14,16 @@ from eagle3jax.hf_target import init_target, load_target
 from eagle3jax.api import ForwardOutput, forward
 from eagle3jax.llama import LlamaForCausalLM
 from eagle3jax.kv_cache import KVCache
+from eagle3jax.deepseek import DeepseekForCausalLM
+from eagle3jax.hf_deepseek import init_deepseek
 
 # --- Meshes ---
 from eagle3jax.sharding import make_mesh
 
 __all__ = [
     "CaptureSpec", "LlamaConfig", "RopeConfig", "init_target", "load_target", "ForwardOutput",
-    "forward", "LlamaForCausalLM", "KVCache", "make_mesh",
+    "forward", "LlamaForCausalLM", "KVCache", "make_mesh", "DeepseekConfig",
+    "DeepseekForCausalLM", "init_deepseek",
 ]
 
 # --- Drafter and engine ---
@@ -27,8 +31,8 @@ from eagle3jax.drafter import DrafterConfig, Eagle3Drafter
 from eagle3jax.drafter_io import draft_logits, init_drafter, load_drafter, save_drafter
 from eagle3jax.generate import GenerateResult, generate
 
-__all__ += ["DrafterConfig", "Eagle3Drafter", "draft_logits", "init_drafter", "load_drafter", "save_drafter",
-            "GenerateResult", "generate"]
+__all__ += ["DrafterConfig", "Eagle3Drafter", "draft_logits", "init_drafter", "load_drafter",
+            "save_drafter", "GenerateResult", "generate"]
 
 
 # --- Drafter training ---

@@ -94,12 +94,15 @@ class DrafterConfig:
   @classmethod
   def for_target(cls, target_cfg, capture: CaptureSpec, draft_vocab_size: int | None = None,
                  **overrides) -> "DrafterConfig":
-    """A drafter shaped like one layer of ``target_cfg`` (the usual EAGLE-3 choice)."""
+    """A drafter shaped like one Llama layer of ``target_cfg``'s width (the usual EAGLE-3
+    choice; for MLA targets such as DeepSeek-V3, a GQA-free Llama layer as Kimi-K2 drafters)."""
+    heads = target_cfg.num_attention_heads
     base = dict(hidden_size=target_cfg.hidden_size,
                 intermediate_size=target_cfg.intermediate_size,
-                num_attention_heads=target_cfg.num_attention_heads,
-                num_key_value_heads=target_cfg.num_key_value_heads,
-                head_dim=target_cfg.head_dim, rms_norm_eps=target_cfg.rms_norm_eps,
+                num_attention_heads=heads,
+                num_key_value_heads=getattr(target_cfg, "num_key_value_heads", heads),
+                head_dim=getattr(target_cfg, "head_dim", None),
+                rms_norm_eps=target_cfg.rms_norm_eps,
                 vocab_size=target_cfg.vocab_size,
                 draft_vocab_size=draft_vocab_size or target_cfg.vocab_size, capture=capture,
                 max_position_embeddings=target_cfg.max_position_embeddings)

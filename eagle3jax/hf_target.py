@@ -13,10 +13,10 @@ import os
 import re
 
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from eagle3jax.config import LlamaConfig
+from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
 from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.safetensors_io import SafetensorsDir
@@ -81,7 +81,7 @@ def _model_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
 
 
 def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
-  """Loads a Hugging Face Llama/Qwen2/Qwen3 checkpoint directory.
+  """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2 checkpoint directory.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or a sharded
@@ -90,13 +90,18 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
     dtype: parameter dtype.
 
   Returns:
-    A ``LlamaForCausalLM`` whose parameters are placed with their target shardings.
+    A ``LlamaForCausalLM`` (or, for ``model_type`` ``deepseek_v3``/``kimi_k2``, a
+    ``DeepseekForCausalLM``, see ``eagle3jax.hf_deepseek``) whose parameters are placed with
+    their target shardings.
 
   Raises:
     ValueError: unsupported config values, missing or unexpected weights, shape mismatches.
   """
   mesh = mesh or single_device_mesh()
   hf_cfg = read_config(path)
+  if hf_model_type(hf_cfg) in DEEPSEEK_MODEL_TYPES:
+    from eagle3jax.hf_deepseek import load_deepseek  # pylint: disable=import-outside-toplevel
+    return load_deepseek(path, hf_cfg, mesh=mesh, dtype=dtype)
   cfg = LlamaConfig.from_hf(hf_cfg)
   tensors = SafetensorsDir(path)
   used = set()

@@ -20,19 +20,15 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
-from eagle3jax.capture import EMBEDDING, CaptureSpec
 from eagle3jax.config import LlamaConfig
-from eagle3jax.layers import RMSNorm, einsum, param, rms_norm
+from eagle3jax.decoder import ACT, DecoderLM
+from eagle3jax.layers import RMSNorm, einsum, param
 from eagle3jax.rope import apply_rope
-from eagle3jax.sharding import (BATCH, EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, SEQ, VOCAB,
-                                out_spec, shard)
-
-ACT = (BATCH, SEQ, EMBED)
+from eagle3jax.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, shard
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, tensor: int) -> int:
@@ -117,9 +113,9 @@ class LlamaDecoderLayer(nnx.Module):
     return x, k_buf, v_buf
 
 
-class LlamaForCausalLM(nnx.Module):
-  """A Llama/Qwen2/Qwen3 causal LM. Build with ``eagle3jax.load_target`` or
-  ``eagle3jax.params.init_model``; ``kv_repeat`` comes from the mesh."""
+class LlamaForCausalLM(DecoderLM):
+  """A Llama/Qwen2/Qwen3 causal LM (forward: ``DecoderLM.__call__``). Build with
+  ``eagle3jax.load_target`` or ``eagle3jax.init_target``; ``kv_repeat`` comes from the mesh."""
 
   def __init__(self, cfg: LlamaConfig, *, kv_repeat: int = 1, dtype=jnp.float32):
     d, v = cfg.hidden_size, cfg.vocab_size
@@ -134,14 +130,6 @@ class LlamaForCausalLM(nnx.Module):
 
   # --- cache geometry, for the engine ---
   @property
-  def num_layers(self) -> int:
-    return self.config.num_hidden_layers
-
-  @property
-  def hidden_size(self) -> int:
-    return self.config.hidden_size
-
-  @property
   def cache_kv_heads(self) -> int:
     return self.config.num_key_value_heads * self.kv_repeat
 
@@ -149,71 +137,6 @@ class LlamaForCausalLM(nnx.Module):
   def cache_head_dim(self) -> int:
     return self.config.resolved_head_dim
 
-  @property
-  def dtype(self):
-    return self.embed_tokens.get_value().dtype
-
   def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
     return kv_lib.KVCache.allocate(self.num_layers, batch, max_len, self.cache_kv_heads,
                                    self.cache_head_dim, self.dtype, fill)
-
-  def embed(self, tokens: jax.Array) -> jax.Array:
-    """Token embeddings ``[B, T, D]`` (vocab-parallel table gathered to the activation layout)."""
-    table = self.embed_tokens[...]
-    shape = tokens.shape + (table.shape[1],)
-    return table.at[tokens].get(out_sharding=out_spec(ACT, shape))
-
-  def lm_logits(self, x: jax.Array) -> jax.Array:
-    """Float32 logits ``[B, T, V]`` from final-normed hidden states."""
-    w = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
-    logits = einsum("BTD,DV->BTV", x, w, (BATCH, SEQ, VOCAB))
-    return logits.astype(jnp.float32)
-
-  def __call__(self, tokens, positions=None, cache: kv_lib.KVCache | None = None,
-               tree_mask=None, capture: CaptureSpec | None = None, *,
-               logits_index=None, attention_impl: str = "xla"):
-    """Runs the model.
-
-    Args:
-      tokens: ``[B, T]`` int32.
-      positions: ``[B, T]`` int32 RoPE positions (default ``0..T-1``).
-      cache: a ``KVCache`` to extend, or None for a full-sequence forward.
-      tree_mask: ``[B, T, T]`` bool among the new tokens (default causal).
-      capture: hidden states to return, or None.
-      logits_index: optional ``[B, M]`` int32: only compute logits at these new-token indices.
-      attention_impl: ``"xla"`` or ``"pallas"`` (see ``eagle3jax.attention``).
-
-    Returns:
-      ``(logits [B, T or M, V] float32, aux [B, T, k*D] or None, cache)``; the returned cache
-      holds the new K/V at ``lengths[b] ..`` with ``lengths`` unchanged.
-    """
-    b, t = tokens.shape
-    tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    positions = shard(positions.astype(jnp.int32), (BATCH, SEQ))
-    if tree_mask is None:
-      tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    tree_mask = shard(tree_mask, (BATCH, SEQ, SEQ))
-    lengths = (jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths)
-    lengths = shard(lengths, (BATCH,))
-
-    x = shard(self.embed(tokens), ACT)
-    captures = {}
-    if capture is not None and EMBEDDING in capture.layer_ids:
-      captures[EMBEDDING] = capture.annotate(x)
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      k_buf = None if cache is None else cache.k[i]
-      v_buf = None if cache is None else cache.v[i]
-      x, k_buf, v_buf = layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
-      new_k.append(k_buf)
-      new_v.append(v_buf)
-      if capture is not None and i in capture.layer_ids:
-        captures[i] = capture.annotate(x)
-    aux = capture.concat(captures) if capture is not None else None
-    if logits_index is not None:
-      x = jnp.take_along_axis(x, logits_index[:, :, None].astype(jnp.int32), axis=1)
-    logits = self.lm_logits(rms_norm(x, self.norm.weight[...], self.config.rms_norm_eps))
-    new_cache = None if cache is None else kv_lib.KVCache(tuple(new_k), tuple(new_v), lengths)
-    return logits, aux, new_cache

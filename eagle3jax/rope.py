@@ -1,8 +1,10 @@
 """Rotary position embeddings: the frequency table for each supported ``rope_type``.
 
-Supported types: ``default``, ``linear`` and ``llama3`` (Llama 3.1 frequency smoothing), the
-same formulas as ``transformers``' ROPE_INIT_FUNCTIONS. Anything else is refused by
-``RopeConfig.from_hf`` with the field named.
+Supported types: ``default``, ``linear``, ``llama3`` (Llama 3.1 frequency smoothing) and
+``yarn`` (DeepSeek-V3 / Kimi-K2 only), the same formulas as ``transformers``'
+ROPE_INIT_FUNCTIONS. Anything else is refused by ``RopeConfig.from_hf`` with the field named.
+YaRN also changes the attention: ``RopeConfig.attention_factor`` scales cos/sin and
+``RopeConfig.softmax_scale`` is DeepSeek's ``mscale``-corrected softmax scale.
 """
 
 from __future__ import annotations
@@ -15,7 +17,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# What ``from_hf`` accepts unless the caller allows more (Llama-family models do not apply
+# YaRN's attention factor, so they do not accept ``yarn``).
+LLAMA_ROPE_TYPES = ("default", "linear", "llama3")
+_LLAMA_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor",
+                         "original_max_position_embeddings"})
+_YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                        "mscale", "mscale_all_dim", "attention_factor", "truncate"})
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+  """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 when ``scale <= 1``)."""
+  if scale <= 1:
+    return 1.0
+  return 0.1 * mscale * math.log(scale) + 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +44,14 @@ class RopeConfig:
     factor: scaling factor (``linear``, ``llama3``).
     low_freq_factor: ``llama3`` only.
     high_freq_factor: ``llama3`` only.
-    original_max_position_embeddings: ``llama3`` only: the pre-training context length.
+    original_max_position_embeddings: ``llama3``/``yarn``: the pre-training context length.
+    beta_fast: ``yarn`` only: rotations bounding the extrapolated (unscaled) dimensions.
+    beta_slow: ``yarn`` only: rotations bounding the interpolated (scaled) dimensions.
+    mscale: ``yarn`` only: numerator of the cos/sin attention factor (0 = absent).
+    mscale_all_dim: ``yarn`` only: denominator of that factor, and DeepSeek's softmax-scale
+      correction (0 = absent).
+    yarn_attention_factor: ``yarn`` only: explicit ``attention_factor`` (None: derived).
+    truncate: ``yarn`` only: round the correction range to whole dimensions.
   """
   theta: float = 10000.0
   rope_type: str = "default"
@@ -36,6 +59,12 @@ class RopeConfig:
   low_freq_factor: float = 1.0
   high_freq_factor: float = 4.0
   original_max_position_embeddings: int = 8192
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float = 0.0
+  mscale_all_dim: float = 0.0
+  yarn_attention_factor: float | None = None
+  truncate: bool = True
 
   def __post_init__(self):
     if self.rope_type not in SUPPORTED_ROPE_TYPES:
@@ -47,12 +76,14 @@ class RopeConfig:
       raise ValueError(f"rope factor={self.factor!r} must be positive")
 
   @classmethod
-  def from_hf(cls, hf: Mapping[str, Any], *, default_theta: float = 10000.0) -> "RopeConfig":
+  def from_hf(cls, hf: Mapping[str, Any], *, default_theta: float = 10000.0,
+              rope_types: tuple[str, ...] = LLAMA_ROPE_TYPES) -> "RopeConfig":
     """Reads both config styles seen in real checkpoints.
 
     Published style: ``rope_theta`` at the top level and ``rope_scaling`` (with ``rope_type``
     or the older ``type`` key) or null. transformers 5 style: ``rope_parameters`` holding
-    ``rope_type``, ``rope_theta`` and the scaling fields.
+    ``rope_type``, ``rope_theta`` and the scaling fields. ``rope_types`` are the types the
+    calling model implements.
     """
     params = hf.get("rope_parameters")
     if params is not None:
@@ -65,11 +96,10 @@ class RopeConfig:
       where = "rope_scaling"
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in rope_types:
       raise ValueError(f"config field {where}.rope_type={rope_type!r} is not supported; "
-                       f"supported: {SUPPORTED_ROPE_TYPES}")
-    known = {"factor", "low_freq_factor", "high_freq_factor",
-             "original_max_position_embeddings"}
+                       f"supported: {rope_types}")
+    known = _YARN_KEYS if rope_type == "yarn" else _LLAMA_KEYS
     unknown = sorted(set(params) - known)
     if unknown:
       raise ValueError(f"config field {where} has unsupported keys {unknown} for rope type "
@@ -77,6 +107,26 @@ class RopeConfig:
     kwargs = {k: params[k] for k in known if k in params}
     if rope_type == "default":
       kwargs.pop("factor", None)
+    if rope_type == "yarn":
+      if kwargs.get("factor") is None:  # transformers: the context-extension ratio
+        orig = kwargs.get("original_max_position_embeddings")
+        if orig is None or "max_position_embeddings" not in hf:
+          raise ValueError(f"config field {where}.factor is missing for rope type 'yarn'")
+        kwargs["factor"] = hf["max_position_embeddings"] / orig
+      if "original_max_position_embeddings" not in kwargs:
+        kwargs["original_max_position_embeddings"] = int(hf.get("max_position_embeddings",
+                                                                8192))
+      for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if kwargs.get(key) is None:  # null or absent: transformers' defaults
+          kwargs.pop(key, None)
+      if kwargs.get("attention_factor") is not None:
+        kwargs["yarn_attention_factor"] = float(kwargs["attention_factor"])
+      kwargs.pop("attention_factor", None)
+      for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+        if key in kwargs:
+          kwargs[key] = float(kwargs[key])
+      kwargs["original_max_position_embeddings"] = int(kwargs["original_max_position_embeddings"])
+      kwargs["truncate"] = bool(kwargs.get("truncate", True))
     return cls(theta=float(theta), rope_type=rope_type, **kwargs)
 
   def inv_frequencies(self, rotary_dim: int) -> np.ndarray:
@@ -95,7 +145,44 @@ class RopeConfig:
       smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
       medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
       inv = np.where(medium, smoothed, scaled)
+    elif self.rope_type == "yarn":
+      inv = self._yarn_inv_frequencies(inv, rotary_dim)
     return inv
+
+  def _yarn_inv_frequencies(self, extrapolation: np.ndarray, dim: int) -> np.ndarray:
+    """Blends ``extrapolation`` (unscaled) with ``extrapolation / factor`` dimension-wise."""
+    def correction_dim(rotations):
+      return (dim * math.log(self.original_max_position_embeddings
+                             / (rotations * 2 * math.pi))) / (2 * math.log(self.theta))
+    low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
+    if self.truncate:
+      low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+      high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+    keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate (low frequencies)
+    return extrapolation / self.factor * (1 - keep) + extrapolation * keep
+
+  @property
+  def attention_factor(self) -> float:
+    """The factor transformers multiplies cos and sin by (1 except for ``yarn``)."""
+    if self.rope_type != "yarn":
+      return 1.0
+    if self.yarn_attention_factor is not None:
+      return float(self.yarn_attention_factor)
+    if self.mscale and self.mscale_all_dim:
+      return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor,
+                                                                          self.mscale_all_dim)
+    return yarn_get_mscale(self.factor)
+
+  def softmax_scale(self, head_dim: int) -> float:
+    """DeepSeek's attention softmax scale: ``head_dim ** -0.5``, times ``mscale ** 2`` with
+    ``mscale = yarn_get_mscale(factor, mscale_all_dim)`` for scaled rope types."""
+    scale = head_dim ** -0.5
+    if self.rope_type != "default" and self.mscale_all_dim:
+      scale *= yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+    return scale
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:

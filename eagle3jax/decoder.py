@@ -1,0 +1,103 @@
+"""What every target model shares: embedding, the layer loop with captures, the LM head.
+
+``DecoderLM`` is the base of ``LlamaForCausalLM`` and ``DeepseekForCausalLM``. A subclass
+provides ``config`` (``rms_norm_eps``, ``tie_word_embeddings``, ``num_hidden_layers``,
+``hidden_size``), ``embed_tokens``, ``layers`` (each called as
+``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)``), ``norm``,
+``lm_head`` when untied, and ``allocate_cache``. Captures follow ``eagle3jax.capture``: every
+captured tensor goes through ``CaptureSpec.annotate`` here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3jax import kv_cache as kv_lib
+from eagle3jax.capture import EMBEDDING, CaptureSpec
+from eagle3jax.layers import einsum, rms_norm
+from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, shard
+
+ACT = (BATCH, SEQ, EMBED)
+
+
+class DecoderLM(nnx.Module):
+  """Shared forward of decoder-only target models (see the module docstring)."""
+
+  @property
+  def num_layers(self) -> int:
+    return self.config.num_hidden_layers
+
+  @property
+  def hidden_size(self) -> int:
+    return self.config.hidden_size
+
+  @property
+  def dtype(self):
+    return self.embed_tokens.get_value().dtype
+
+  def embed(self, tokens: jax.Array) -> jax.Array:
+    """Token embeddings ``[B, T, D]`` (vocab-parallel table gathered to the activation layout)."""
+    table = self.embed_tokens[...]
+    shape = tokens.shape + (table.shape[1],)
+    return table.at[tokens].get(out_sharding=out_spec(ACT, shape))
+
+  def lm_logits(self, x: jax.Array) -> jax.Array:
+    """Float32 logits ``[B, T, V]`` from final-normed hidden states."""
+    w = self.embed_tokens[...].T if self.config.tie_word_embeddings else self.lm_head[...]
+    logits = einsum("BTD,DV->BTV", x, w, (BATCH, SEQ, VOCAB))
+    return logits.astype(jnp.float32)
+
+  def __call__(self, tokens, positions=None, cache: kv_lib.KVCache | None = None,
+               tree_mask=None, capture: CaptureSpec | None = None, *,
+               logits_index=None, attention_impl: str = "xla"):
+    """Runs the model.
+
+    With ``cache=None`` a full sequence (causal); with a cache, ``T`` new tokens appended after
+    each row's committed prefix, new token ``i`` seeing new token ``j`` where
+    ``tree_mask[b, i, j]``.
+
+    Args:
+      tokens: ``[B, T]`` int32.
+      positions: ``[B, T]`` int32 RoPE positions (default ``0..T-1``).
+      cache: a ``KVCache`` (from ``allocate_cache``) to extend, or None.
+      tree_mask: ``[B, T, T]`` bool among the new tokens (default causal).
+      capture: hidden states to return, or None.
+      logits_index: optional ``[B, M]`` int32: only compute logits at these new-token indices.
+      attention_impl: ``"xla"`` or ``"pallas"`` (see ``eagle3jax.attention``).
+
+    Returns:
+      ``(logits [B, T or M, V] float32, aux [B, T, k*D] or None, cache)``; the returned cache
+      holds the new entries at ``lengths[b] ..`` with ``lengths`` unchanged.
+    """
+    b, t = tokens.shape
+    tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    positions = shard(positions.astype(jnp.int32), (BATCH, SEQ))
+    if tree_mask is None:
+      tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    tree_mask = shard(tree_mask, (BATCH, SEQ, SEQ))
+    lengths = jnp.zeros((b,), jnp.int32) if cache is None else cache.lengths
+    lengths = shard(lengths, (BATCH,))
+
+    x = shard(self.embed(tokens), ACT)
+    captures = {}
+    if capture is not None and EMBEDDING in capture.layer_ids:
+      captures[EMBEDDING] = capture.annotate(x)
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      k_buf = None if cache is None else cache.k[i]
+      v_buf = None if cache is None else cache.v[i]
+      x, k_buf, v_buf = layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
+      new_k.append(k_buf)
+      new_v.append(v_buf)
+      if capture is not None and i in capture.layer_ids:
+        captures[i] = capture.annotate(x)
+    aux = capture.concat(captures) if capture is not None else None
+    if logits_index is not None:
+      x = gather_rows(x, logits_index)
+    logits = self.lm_logits(rms_norm(x, self.norm.weight[...], self.config.rms_norm_eps))
+    new_cache = None if cache is None else kv_lib.KVCache(tuple(new_k), tuple(new_v), lengths)
+    return logits, aux, new_cache

@@ -1,0 +1,248 @@
+"""DeepSeek-V3 / Kimi-K2 target model in Flax NNX: multi-head latent attention (MLA) and a
+sigmoid-routed mixture of experts (reference: DeepSeek-V3 technical report, 2024).
+
+Axis letters: B batch, T new tokens, S cache slots, D model, F MLP, V vocab, N heads, H head
+dim, C latent (``kv_lora_rank``), R query latent (``q_lora_rank``), E experts.
+
+The forward has the contract of ``eagle3jax.llama.LlamaForCausalLM`` (same arguments, same
+returns, captures through ``CaptureSpec.annotate``), so the engine serves either.
+
+MLA, absorbed form. Per token the cache holds only the normed latent ``ckv [C]`` (in
+``cache.k[i]`` as ``[B, S, 1, C]``) and the roped shared key ``k_pe`` (in ``cache.v[i]`` as
+``[B, S, 1, qk_rope_head_dim]``, de-interleaved as transformers leaves it). With
+``kv_b_proj = [W_k | W_v]`` (``[C, N, nope]``, ``[C, N, v]``)::
+
+    score[n, t, s] = (q_nope[t, n] @ W_k[:, n].T) . ckv[s] + q_pe[t, n] . k_pe[s]
+    out[t, n]      = (sum_s p[n, t, s] ckv[s]) @ W_v[:, n]
+
+which equals expanding every cached latent into per-head keys and values. The cache-less
+full-sequence forward uses the same code with the new tokens as the whole key set. Attention
+runs on the XLA path whatever ``attention_impl`` says (the Pallas kernel is for Llama heads).
+
+MoE, computed densely: every expert runs on every token and a combine weight of zero drops the
+unselected ones (exact, and simple; fine for the tiny models this is tested on). Experts are
+stacked ``[E, ...]`` with the ``EXPERT`` axis first, sharded over ``tensor``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3jax import attention as attn_lib
+from eagle3jax import kv_cache as kv_lib
+from eagle3jax.decoder import DecoderLM
+from eagle3jax.deepseek_config import DeepseekConfig
+from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.llama import ACT, LlamaMLP
+from eagle3jax.rope import apply_rope
+from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LORA, SEQ, VOCAB,
+                                out_spec, shard)
+
+# Cache layout: one shared "head" (never sharded), latent features replicated.
+LATENT_CACHE_AXES = (BATCH, SEQ, None, LORA)
+# transformers' DeepseekV3RMSNorm default, used by the q/kv latent norms.
+LATENT_NORM_EPS = 1e-6
+# Routing constants of DeepSeek's noaux_tc: groups are scored by their best two experts.
+_GROUP_SCORE_TOP = 2
+_NORM_EPS = 1e-20
+
+
+def rope_rotate(x: jax.Array, positions: jax.Array, cfg: DeepseekConfig) -> jax.Array:
+  """RoPE on ``x [B, T, N, H]`` as transformers' DeepSeek-V3 does it.
+
+  Interleaved pairs ``(x0, x1), (x2, x3) ...`` are first de-interleaved into halves, so the
+  result is in the half-split layout; cos/sin are scaled by YaRN's attention factor.
+  """
+  if cfg.rope_interleave:
+    x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+  out = apply_rope(x, positions, cfg.rope.inv_frequencies(cfg.qk_rope_head_dim))
+  factor = cfg.rope.attention_factor
+  return out if factor == 1.0 else (out.astype(jnp.float32) * factor).astype(x.dtype)
+
+
+class MLAttention(nnx.Module):
+  """Multi-head latent attention; heads over ``tensor``, the down-projections replicated."""
+
+  def __init__(self, cfg: DeepseekConfig, dtype):
+    d, n, c = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    if cfg.q_lora_rank is None:
+      self.q_proj = param((d, n, cfg.qk_head_dim), (EMBED, HEADS, HEAD_DIM), dtype)
+    else:
+      r = cfg.q_lora_rank
+      self.q_a_proj = param((d, r), (EMBED, LORA), dtype)
+      self.q_a_layernorm = RMSNorm(r, LATENT_NORM_EPS, dtype, axes=(LORA,))
+      self.q_b_proj = param((r, n, cfg.qk_head_dim), (LORA, HEADS, HEAD_DIM), dtype)
+    self.kv_a_proj_with_mqa = param((d, c + cfg.qk_rope_head_dim), (EMBED, LORA), dtype)
+    self.kv_a_layernorm = RMSNorm(c, LATENT_NORM_EPS, dtype, axes=(LORA,))
+    self.kv_b_proj = param((c, n, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                           (LORA, HEADS, HEAD_DIM), dtype)
+    self.o_proj = param((n, cfg.v_head_dim, d), (HEADS, HEAD_DIM, EMBED), dtype)
+    self.cfg = cfg
+
+  def latents(self, x, positions):
+    """The per-token cache entries: normed ``ckv [B, T, 1, C]`` and roped ``k_pe [B, T, 1, Hr]``."""
+    cfg = self.cfg
+    kv = jnp.einsum("BTD,DC->BTC", x, self.kv_a_proj_with_mqa[...])
+    ckv = self.kv_a_layernorm(kv[..., :cfg.kv_lora_rank])
+    k_pe = rope_rotate(kv[..., None, cfg.kv_lora_rank:], positions, cfg)
+    return ckv[:, :, None, :], k_pe
+
+  def queries(self, x, positions):
+    """``q_nope [B, T, N, nope]`` and roped ``q_pe [B, T, N, Hr]``."""
+    cfg = self.cfg
+    if cfg.q_lora_rank is None:
+      q = jnp.einsum("BTD,DNH->BTNH", x, self.q_proj[...])
+    else:
+      qa = self.q_a_layernorm(jnp.einsum("BTD,DR->BTR", x, self.q_a_proj[...]))
+      q = jnp.einsum("BTR,RNH->BTNH", qa, self.q_b_proj[...])
+    q_nope, q_pe = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    return q_nope, rope_rotate(q_pe, positions, cfg)
+
+  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
+    del impl  # MLA always runs the XLA path (see the module docstring)
+    ckv, k_pe = self.latents(x, positions)
+    q_nope, q_pe = self.queries(x, positions)
+    if k_buf is None:  # full sequence: the new tokens are the whole key set
+      k_buf, v_buf = ckv, k_pe
+    else:
+      k_buf = kv_lib.write(k_buf, ckv, lengths)
+      v_buf = kv_lib.write(v_buf, k_pe, lengths)
+    out = self.attend(q_nope, q_pe, k_buf[:, :, 0], v_buf[:, :, 0], lengths, tree_mask)
+    return einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT), k_buf, v_buf
+
+  def attend(self, q_nope, q_pe, ckv, k_pe, lengths, tree_mask):
+    """Absorbed attention over latents ``ckv [B, S, C]``, ``k_pe [B, S, Hr]``: ``[B, T, N, v]``.
+
+    Same visibility as ``eagle3jax.attention.attend``; slots past ``lengths + W`` are zeroed
+    first so that garbage (NaN included) cannot reach the output.
+    """
+    cfg = self.cfg
+    b, t, n, _ = q_nope.shape
+    s, c = ckv.shape[1], ckv.shape[2]
+    w = tree_mask.shape[-1]
+    live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + w))[:, :, None]
+    ckv = jnp.where(live, ckv, jnp.zeros((), ckv.dtype))
+    k_pe = jnp.where(live, k_pe, jnp.zeros((), k_pe.dtype))
+    w_kv = self.kv_b_proj[...]
+    w_k, w_v = w_kv[..., :cfg.qk_nope_head_dim], w_kv[..., cfg.qk_nope_head_dim:]
+    q_lat = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k,
+                       out_sharding=out_spec((BATCH, SEQ, HEADS, LORA), (b, t, n, c)))
+    score_spec = out_spec((BATCH, HEADS, SEQ, SEQ), (b, n, t, s))
+    scores = (jnp.einsum("BTNC,BSC->BNTS", q_lat, ckv, preferred_element_type=jnp.float32,
+                         out_sharding=score_spec)
+              + jnp.einsum("BTNH,BSH->BNTS", q_pe, k_pe, preferred_element_type=jnp.float32,
+                           out_sharding=score_spec))
+    scores = scores * cfg.softmax_scale
+    mask = attn_lib.visibility(lengths, tree_mask, s)[:, None, :, :]
+    scores = jnp.where(mask, scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1).astype(ckv.dtype)
+    o_lat = jnp.einsum("BNTS,BSC->BTNC", probs, ckv, preferred_element_type=jnp.float32,
+                       out_sharding=out_spec((BATCH, SEQ, HEADS, LORA), (b, t, n, c)))
+    out = jnp.einsum("BTNC,CNH->BTNH", o_lat.astype(ckv.dtype), w_v,
+                     out_sharding=out_spec((BATCH, SEQ, HEADS, HEAD_DIM),
+                                           (b, t, n, cfg.v_head_dim)))
+    return out.astype(q_nope.dtype)
+
+
+class MoE(nnx.Module):
+  """Sigmoid-scored, group-limited (noaux_tc) routed experts plus shared experts."""
+
+  def __init__(self, cfg: DeepseekConfig, dtype):
+    d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    # The router stays float32 whatever the model dtype (as DeepSeek and transformers keep it).
+    self.gate = param((d, e), (EMBED, None), jnp.float32)
+    # Random init: normal, so that tests exercise the bias (checkpoints always carry it).
+    self.e_score_correction_bias = param((e,), (None,), jnp.float32)
+    # The F axis is not sharded: the tensor axis already splits the experts.
+    self.gate_proj = param((e, d, f), (EXPERT, EMBED, None), dtype)
+    self.up_proj = param((e, d, f), (EXPERT, EMBED, None), dtype)
+    self.down_proj = param((e, f, d), (EXPERT, None, EMBED), dtype)
+    if cfg.n_shared_experts:
+      self.shared_experts = LlamaMLP(d, f * cfg.n_shared_experts, dtype)
+    self.cfg = cfg
+
+  def routing(self, x: jax.Array) -> jax.Array:
+    """Combine weights ``[B, T, E]`` float32: zero except the chosen experts."""
+    cfg = self.cfg
+    b, t, _ = x.shape
+    e, g = cfg.n_routed_experts, cfg.n_group
+    logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), self.gate[...])
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + self.e_score_correction_bias[...]
+    grouped = choice.reshape(b, t, g, e // g)
+    group_scores = jax.lax.top_k(grouped, _GROUP_SCORE_TOP)[0].sum(-1)          # [B, T, G]
+    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    group_ok = jax.nn.one_hot(top_groups, g, dtype=jnp.int32).sum(-2) > 0      # [B, T, G]
+    expert_ok = jnp.repeat(group_ok, e // g, axis=-1)                         # [B, T, E]
+    choice = jnp.where(expert_ok, choice, -jnp.inf)
+    _, top = jax.lax.top_k(choice, cfg.num_experts_per_tok)
+    chosen = jax.nn.one_hot(top, e, dtype=jnp.float32).sum(-2)                # [B, T, E]
+    weights = scores * chosen
+    if cfg.norm_topk_prob:
+      weights = weights / (weights.sum(-1, keepdims=True) + _NORM_EPS)
+    return weights * cfg.routed_scaling_factor
+
+  def __call__(self, x):
+    combine = shard(self.routing(x), (BATCH, SEQ, EXPERT))
+    expert_axes = (BATCH, SEQ, EXPERT, None)
+    gate = einsum("BTD,EDF->BTEF", x, self.gate_proj[...], expert_axes)
+    up = einsum("BTD,EDF->BTEF", x, self.up_proj[...], expert_axes)
+    h = jax.nn.silu(gate) * up * combine[..., None].astype(x.dtype)
+    y = einsum("BTEF,EFD->BTD", h, self.down_proj[...], ACT)
+    if self.cfg.n_shared_experts:
+      y = y + self.shared_experts(x)
+    return y
+
+
+class DeepseekDecoderLayer(nnx.Module):
+  def __init__(self, cfg: DeepseekConfig, index: int, dtype):
+    self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    self.self_attn = MLAttention(cfg, dtype)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+    if cfg.is_moe_layer(index):
+      self.mlp = MoE(cfg, dtype)
+    else:
+      self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+
+  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
+    a, k_buf, v_buf = self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf,
+                                     lengths, tree_mask, impl)
+    x = shard(x + a, ACT)
+    x = shard(x + self.mlp(self.post_attention_layernorm(x)), ACT)
+    return x, k_buf, v_buf
+
+
+class DeepseekForCausalLM(DecoderLM):
+  """A DeepSeek-V3 / Kimi-K2 causal LM. Build with ``eagle3jax.load_target`` or
+  ``eagle3jax.hf_deepseek.init_deepseek``. The forward is ``DecoderLM.__call__``; MLA always
+  takes the XLA attention path (``attention_impl`` is accepted for the common contract)."""
+
+  def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32):
+    d, v = cfg.hidden_size, cfg.vocab_size
+    self.config = cfg
+    self.embed_tokens = param((v, d), (VOCAB, EMBED), dtype)
+    self.layers = nnx.List([DeepseekDecoderLayer(cfg, i, dtype)
+                            for i in range(cfg.num_hidden_layers)])
+    self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+    if not cfg.tie_word_embeddings:
+      self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
+
+  # --- cache geometry, for the engine ---
+  def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
+    """A latent cache: ``k[i]`` ``[B, S, 1, C]`` (normed ckv), ``v[i]`` ``[B, S, 1, Hr]``
+    (roped k_pe). Call under ``jax.set_mesh``; ``fill`` poisons it (tests use NaN)."""
+    cfg = self.config
+
+    def buf(width):
+      shape = (batch, max_len, 1, width)
+      spec = out_spec(LATENT_CACHE_AXES, shape)
+      if fill is None:
+        return jnp.zeros(shape, self.dtype, out_sharding=spec)
+      return jnp.full(shape, fill, self.dtype, out_sharding=spec)
+
+    n = self.num_layers
+    lengths = shard(jnp.zeros((batch,), jnp.int32), (BATCH,))
+    return kv_lib.KVCache(tuple(buf(cfg.kv_lora_rank) for _ in range(n)),
+                          tuple(buf(cfg.qk_rope_head_dim) for _ in range(n)), lengths)
