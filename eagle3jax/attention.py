@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from eagle3jax.sharding import BATCH, HEAD_DIM, HEADS, KV_HEADS, SEQ, out_spec
+from eagle3jax.sharding import BATCH, HEAD_DIM, KV_HEADS, SEQ, out_spec
 
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret")
 

@@ -20,19 +20,16 @@ and stop state live in the ``DecodeState`` pytree):
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from eagle3jax import acceptance, tree as tree_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.kv_cache import KVCache, write
 from eagle3jax.sampling import SamplingParams, probabilities, sample
-from eagle3jax.sharding import (BATCH, EMBED, SEQ, batch_major as bm, gather_rows, pick_rows,
+from eagle3jax.sharding import (BATCH, EMBED, batch_major as bm, gather_rows, pick_rows,
                                 shard)
 
 

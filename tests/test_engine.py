@@ -1,6 +1,5 @@
 """The engine: greedy losslessness, batches, meshes, stopping, compile counts, bad input."""
 
-import numpy as np
 import pytest
 
 import eagle3jax

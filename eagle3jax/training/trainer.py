@@ -25,7 +25,6 @@ import zlib
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
