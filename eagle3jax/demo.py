@@ -1,0 +1,209 @@
+"""The embedded demo: a target and an EAGLE-3 drafter trained here from an offline corpus.
+
+Corpus: the Python standard library's own source files, which every Python install has. A
+fixed manifest (``models/default/manifest.json``) lists the files and splits them into train
+and held-out sets by a hash of the path (never overlapping). ``make_demo`` reproduces the
+shipped folder from scratch: BPE tokenizer (``tokenizers``), a 12-layer Llama target trained
+with optax, and a drafter trained with ``eagle3jax.training`` on the target's own greedy
+continuations. Everything is stored in bfloat16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sysconfig
+import time
+import zlib
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_DIR = os.path.join(REPO, "models", "default")
+EOS = "<|endoftext|>"
+_SKIP_TOP = {"test", "site-packages", "idlelib", "tkinter", "lib2to3", "turtledemo",
+             "ensurepip", "__pycache__"}
+
+
+def stdlib_root() -> str:
+  return sysconfig.get_paths()["stdlib"]
+
+
+def build_manifest(heldout_mod: int = 10) -> dict:
+  """All stdlib ``.py`` files outside tests/GUI/vendored folders, split by a path hash."""
+  root = stdlib_root()
+  files = []
+  for d, dirs, names in os.walk(root):
+    rel = os.path.relpath(d, root)
+    parts = [] if rel == "." else rel.split(os.sep)
+    if (parts and (parts[0] in _SKIP_TOP or parts[0].startswith("config-"))) or \
+        "tests" in parts or "__pycache__" in parts:
+      dirs[:] = []
+      continue
+    files += [os.path.join(*parts, n) if parts else n for n in names if n.endswith(".py")]
+  files.sort()
+  heldout = [f for f in files if zlib.crc32(f.encode()) % heldout_mod == 0]
+  train = [f for f in files if zlib.crc32(f.encode()) % heldout_mod != 0]
+  return {"corpus": "python-stdlib", "split": f"crc32(path) % {heldout_mod} == 0 is held out",
+          "train": train, "heldout": heldout}
+
+
+def read_files(paths: list[str]) -> list[str]:
+  """Reads manifest files from this interpreter's stdlib (missing ones are skipped)."""
+  root = stdlib_root()
+  texts = []
+  for p in paths:
+    full = os.path.join(root, p)
+    if os.path.exists(full):
+      with open(full, encoding="utf-8", errors="replace") as f:
+        texts.append(f.read())
+  if not texts:
+    raise ValueError(f"none of the manifest's {len(paths)} files exist under {root}")
+  return texts
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                show_progress=False)
+  tok.train_from_iterator(texts, trainer)
+  return tok
+
+
+def encode_corpus(tok, texts: list[str]) -> np.ndarray:
+  eos = tok.token_to_id(EOS)
+  ids = []
+  for enc in tok.encode_batch(texts):
+    ids.extend(enc.ids)
+    ids.append(eos)
+  return np.asarray(ids, np.int32)
+
+
+def prompts_from(tok, texts: list[str], n: int, length: int, seed: int) -> list[list[int]]:
+  """``n`` prompts of ``length`` tokens, each starting at a random line of a random file."""
+  rng = np.random.default_rng(seed)
+  out = []
+  while len(out) < n:
+    text = texts[rng.integers(len(texts))]
+    lines = text.splitlines(keepends=True)
+    if len(lines) < 4:
+      continue
+    start = int(rng.integers(len(lines) - 2))
+    ids = tok.encode("".join(lines[start:start + 60])).ids
+    if len(ids) >= length:
+      out.append(ids[:length])
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoConfig:
+  """Attributes: sizes and budgets of the demo (defaults: the shipped models)."""
+  vocab_size: int = 8192
+  hidden_size: int = 256
+  intermediate_size: int = 704
+  num_layers: int = 12
+  num_heads: int = 4
+  max_position_embeddings: int = 1024
+  lm_steps: int = 560
+  lm_seconds: float = 2520.0
+  lm_batch: int = 16
+  lm_seq_len: int = 256
+  lm_lr: float = 3e-3
+  draft_vocab_size: int = 4096
+  draft_prompts: int = 1536
+  prompt_len: int = 48
+  response_len: int = 96
+  draft_steps: int = 800
+  draft_lr: float = 1e-3
+  draft_batch: int = 16
+  seed: int = 0
+
+
+def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
+              log=print) -> None:
+  """Builds ``out_dir/{manifest.json, target/, drafter/}`` from scratch."""
+  import jax.numpy as jnp
+  import eagle3jax
+  from eagle3jax.hf_export import save_target
+  from eagle3jax.training import TrainConfig, train_drafter
+  from eagle3jax.training.lm import LMTrainConfig, train_lm
+
+  t_start = time.perf_counter()
+  os.makedirs(out_dir, exist_ok=True)
+  target_dir = os.path.join(out_dir, "target")
+  drafter_dir = os.path.join(out_dir, "drafter")
+  manifest = build_manifest()
+  with open(os.path.join(out_dir, "manifest.json"), "w") as f:
+    json.dump(manifest, f, indent=1)
+  train_texts = read_files(manifest["train"])
+  log(f"corpus: {len(manifest['train'])} train files, {len(manifest['heldout'])} held out")
+
+  tok = train_tokenizer(train_texts, cfg.vocab_size)
+  os.makedirs(target_dir, exist_ok=True)
+  tok.save(os.path.join(target_dir, "tokenizer.json"))
+  stream = encode_corpus(tok, train_texts)
+  log(f"tokenizer: {tok.get_vocab_size()} tokens; train stream {len(stream)} tokens")
+
+  eos = tok.token_to_id(EOS)
+  tcfg = eagle3jax.LlamaConfig(
+      vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+      rms_norm_eps=1e-5, eos_token_ids=(eos,))
+  target = eagle3jax.init_target(tcfg, dtype=jnp.float32, seed=cfg.seed, std=0.02)
+  lm_cfg = LMTrainConfig(learning_rate=cfg.lm_lr, total_steps=cfg.lm_steps,
+                         batch_size=cfg.lm_batch, seq_len=cfg.lm_seq_len, seed=cfg.seed,
+                         max_seconds=cfg.lm_seconds, warmup_steps=min(50, cfg.lm_steps // 5))
+
+  def lm_log(step, loss, seconds):
+    if step % 25 == 0:
+      log(f"target step {step}: loss {loss:.3f} ({seconds:.0f} s)")
+
+  losses = train_lm(target, stream, lm_cfg, lm_log)
+  log(f"target: {len(losses)} steps, loss {losses[0]:.3f} -> {np.mean(losses[-20:]):.3f}")
+  save_target(target, target_dir)
+  # Serve the bf16 weights exactly as shipped from here on.
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+
+  prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
+  seq_len = cfg.prompt_len + cfg.response_len
+  dcfg = TrainConfig(learning_rate=cfg.draft_lr, warmup_steps=min(60, cfg.draft_steps // 5),
+                     total_steps=cfg.draft_steps, batch_size=cfg.draft_batch,
+                     seq_len=seq_len, draft_vocab_size=cfg.draft_vocab_size,
+                     max_new_tokens=cfg.response_len, temperature=0.0, gen_batch_size=128,
+                     checkpoint_every=max(100, cfg.draft_steps // 4), seed=cfg.seed)
+  import tempfile
+  with tempfile.TemporaryDirectory() as state:
+    result = train_drafter(target, prompts, drafter_dir, dcfg, checkpoint_dir=state,
+                           progress=False)
+  last = result.history[-1] if result.history else {}
+  log(f"drafter: {len(result.history)} steps, last {last}")
+  import ml_dtypes
+  _to_bf16(drafter_dir, ml_dtypes.bfloat16)
+  log(f"done in {time.perf_counter() - t_start:.0f} s")
+
+
+def _to_bf16(drafter_dir: str, dtype) -> None:
+  """Stores the drafter's float weights in bfloat16 (d2t/t2d keep their types)."""
+  import safetensors.numpy
+  from eagle3jax.safetensors_io import SafetensorsFile
+  path = os.path.join(drafter_dir, "model.safetensors")
+  st = SafetensorsFile(path)
+  tensors = {}
+  for n in st.names:
+    a = np.array(st.get(n))
+    tensors[n] = a.astype(dtype) if a.dtype == np.float32 else a
+  del st
+  safetensors.numpy.save_file(tensors, path)
+  cfg_path = os.path.join(drafter_dir, "config.json")
+  with open(cfg_path) as f:
+    hf = json.load(f)
+  hf["torch_dtype"] = "bfloat16"
+  with open(cfg_path, "w") as f:
+    json.dump(hf, f, indent=2)

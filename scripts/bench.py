@@ -1,0 +1,45 @@
+#!/usr/bin/env python3
+"""Greedy speculative-decoding benchmark on held-out prompts (writes JSON and a PNG plot)."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle3jax.bench import SETTINGS, plot, run_benchmark  # noqa: E402
+from eagle3jax.demo import DEFAULT_DIR  # noqa: E402
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--target", default=os.path.join(DEFAULT_DIR, "target"))
+  p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
+  p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
+  p.add_argument("--no-transformers", action="store_true",
+                 help="skip the transformers generate baseline")
+  p.add_argument("--device", default=None, help="label only (the default JAX backend runs)")
+  p.add_argument("--out", default="bench.json", help="JSON output; the plot goes beside it")
+  args = p.parse_args()
+  try:
+    result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
+                           max_new_tokens=args.max_new_tokens,
+                           batches=tuple(int(b) for b in args.batches.split(",")),
+                           settings=SETTINGS, with_transformers=not args.no_transformers,
+                           log=lambda m: print(m, flush=True))
+  except (ValueError, OSError) as e:
+    print(f"bench.py: error: {e}", file=sys.stderr)
+    return 2
+  result["device"] = args.device
+  with open(args.out, "w") as f:
+    json.dump(result, f, indent=1)
+  plot(result, os.path.splitext(args.out)[0] + ".png")
+  print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
