@@ -55,9 +55,9 @@ def _attend_xla(q, k, v, lengths, tree_mask, scale):
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
   w = tree_mask.shape[-1]
-  # Slots past lengths + W are arbitrary memory: zero them so 0 * NaN cannot reach the output.
+  # Slots past lengths + W are arbitrary memory (NaN included). Their scores are replaced by
+  # the mask below; their values must be zeroed too, or 0 * NaN reaches the output.
   live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + w))[:, :, None, None]
-  k = jnp.where(live, k, jnp.zeros((), k.dtype))
   v = jnp.where(live, v, jnp.zeros((), v.dtype))
   qg = q.reshape(b, t, kh, g, h)
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32,
