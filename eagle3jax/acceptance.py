@@ -65,8 +65,10 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
       accept = is_child & (u < px)
       reject = is_child & ~accept
       zeroed = jnp.where(vocab == x[:, None], 0.0, dist)
-      zeroed = zeroed / jnp.maximum(jnp.sum(zeroed, axis=-1, keepdims=True), 1e-30)
-      dist = jnp.where(reject[:, None], zeroed, dist)
+      mass = jnp.sum(zeroed, axis=-1, keepdims=True)
+      zeroed = zeroed / jnp.maximum(mass, 1e-30)
+      # If rounding left no mass at all, keep the distribution rather than an all-zero one.
+      dist = jnp.where(reject[:, None] & (mass > 0), zeroed, dist)
       return bm(jnp.where(accept, j, nxt)), bm(dist), bm(found | accept)
 
     nxt, dist, found = jax.lax.fori_loop(1, p, try_child,

@@ -54,18 +54,17 @@ def _attend_xla(q, k, v, lengths, tree_mask, scale):
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   g = n // kh
-  w = tree_mask.shape[-1]
-  # Slots past lengths + W are arbitrary memory (NaN included). Their scores are replaced by
+  vis = visibility(lengths, tree_mask, s)                                 # [B, T, S]
+  # Slots no query may read are arbitrary memory (NaN included). Their scores are replaced by
   # the mask below; their values must be zeroed too, or 0 * NaN reaches the output.
-  live = (jnp.arange(s, dtype=jnp.int32)[None, :] < (lengths[:, None] + w))[:, :, None, None]
+  live = jnp.any(vis, axis=1)[:, :, None, None]
   v = jnp.where(live, v, jnp.zeros((), v.dtype))
   qg = q.reshape(b, t, kh, g, h)
   scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32,
                       out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, SEQ),
                                             (b, kh, g, t, s)))
   scores = scores * scale
-  mask = visibility(lengths, tree_mask, s)[:, None, None, :, :]
-  scores = jnp.where(mask, scores, -1e30)
+  scores = jnp.where(vis[:, None, None, :, :], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v, preferred_element_type=jnp.float32,
                    out_sharding=out_spec((BATCH, SEQ, KV_HEADS, None, HEAD_DIM),

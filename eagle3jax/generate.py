@@ -138,6 +138,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   if drafter is None:
     tree, spec_capture = None, None
   else:
+    if topk > drafter.config.draft_vocab_size:
+      raise ValueError(f"topk={topk} exceeds the drafter's draft_vocab_size="
+                       f"{drafter.config.draft_vocab_size}")
     if topk == 1:
       num_draft_tokens = num_steps + 1
     tree = TreeShape(num_steps, topk, num_draft_tokens)

@@ -38,7 +38,8 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
   # The least likely kept token's probability: everything at least as likely is kept.
   threshold = jnp.min(jnp.where(mass_before < top_p, sorted_probs, jnp.inf), axis=-1,
                       keepdims=True)
-  probs = jnp.where(probs >= threshold, probs, 0.0)
+  # top_p = 1 keeps everything (float32 cumulative sums can reach 1 before the tail).
+  probs = jnp.where((probs >= threshold) | (top_p >= 1.0), probs, 0.0)
   return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 

@@ -165,3 +165,25 @@ def test_draft_logits_shape_errors(tgt):
   dr = h.random_drafter(tgt)
   with pytest.raises(ValueError, match=r"aux_hidden has shape \(1, 3, 5\)"):
     eagle3jax.draft_logits(dr, np.array([[1, 2, 3]]), np.zeros((1, 3, 5), np.float32))
+
+
+def test_drafter_tree_step_ignores_unwritten_window_slots(tgt):
+  """A tree level writes k keys inside a wider window; the window's other slots (later
+  levels, other branches) and everything beyond may hold NaN without effect."""
+  import jax
+  import jax.numpy as jnp
+  dr = h.random_drafter(tgt)
+  outs = []
+  for fill in (0.0, np.nan):
+    with jax.set_mesh(dr.mesh):
+      cache = dr.allocate_cache(1, 32, fill=fill)
+      a0, cache = dr(jnp.array([[5, 6, 7, 8]]), jnp.ones((1, 4, 64)), jnp.arange(4)[None],
+                     cache)                                  # prefix: slots 0..3
+      cache = cache.with_lengths(jnp.array([4]))
+      window = np.zeros((1, 2, 6), bool)
+      window[0, 0, 2] = window[0, 1, 3] = True               # this level's own slots only
+      a, _ = dr(jnp.array([[9, 10]]), jnp.ones((1, 2, 64)), jnp.array([[4, 4]]), cache,
+                jnp.asarray(window), write_at=jnp.array([6]))
+    outs.append(np.asarray(a))
+  assert np.isfinite(outs[1]).all()
+  np.testing.assert_allclose(outs[1], outs[0], atol=1e-6)
