@@ -118,9 +118,10 @@ class DemoConfig:
   draft_prompts: int = 1536
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 800
+  draft_steps: int = 360
   draft_lr: float = 1e-3
-  draft_batch: int = 16
+  draft_batch: int = 8
+  ttt_steps: int = 5
   seed: int = 0
 
 
@@ -130,13 +131,11 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   import jax.numpy as jnp
   import eagle3jax
   from eagle3jax.hf_export import save_target
-  from eagle3jax.training import TrainConfig, train_drafter
   from eagle3jax.training.lm import LMTrainConfig, train_lm
 
   t_start = time.perf_counter()
   os.makedirs(out_dir, exist_ok=True)
   target_dir = os.path.join(out_dir, "target")
-  drafter_dir = os.path.join(out_dir, "drafter")
   manifest = build_manifest()
   with open(os.path.join(out_dir, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)
@@ -168,25 +167,46 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   losses = train_lm(target, stream, lm_cfg, lm_log)
   log(f"target: {len(losses)} steps, loss {losses[0]:.3f} -> {np.mean(losses[-20:]):.3f}")
   save_target(target, target_dir)
-  # Serve the bf16 weights exactly as shipped from here on.
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+  make_drafter(out_dir, cfg, log=log)
+  log(f"done in {time.perf_counter() - t_start:.0f} s")
 
+
+def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log=print,
+                 state_dir: str | None = None) -> None:
+  """Trains ``out_dir/drafter`` for the (already built) ``out_dir/target``.
+
+  ``state_dir`` keeps the regenerated data and checkpoints (default: a temporary folder); a
+  run given the same folder resumes.
+  """
+  import tempfile
+  import jax.numpy as jnp
+  import eagle3jax
+  from eagle3jax.text import TextCodec
+  from eagle3jax.training import TrainConfig, train_drafter
+
+  target_dir = os.path.join(out_dir, "target")
+  drafter_dir = os.path.join(out_dir, "drafter")
+  with open(os.path.join(out_dir, "manifest.json")) as f:
+    manifest = json.load(f)
+  train_texts = read_files(manifest["train"])
+  tok = TextCodec(target_dir).tokenizer
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   seq_len = cfg.prompt_len + cfg.response_len
   dcfg = TrainConfig(learning_rate=cfg.draft_lr, warmup_steps=min(60, cfg.draft_steps // 5),
                      total_steps=cfg.draft_steps, batch_size=cfg.draft_batch,
                      seq_len=seq_len, draft_vocab_size=cfg.draft_vocab_size,
                      max_new_tokens=cfg.response_len, temperature=0.0, gen_batch_size=128,
-                     checkpoint_every=max(100, cfg.draft_steps // 4), seed=cfg.seed)
-  import tempfile
-  with tempfile.TemporaryDirectory() as state:
-    result = train_drafter(target, prompts, drafter_dir, dcfg, checkpoint_dir=state,
-                           progress=False)
+                     checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
+                     ttt_steps=cfg.ttt_steps)
+  with tempfile.TemporaryDirectory() as tmp:
+    result = train_drafter(target, prompts, drafter_dir, dcfg,
+                           checkpoint_dir=state_dir or tmp, progress=False)
   last = result.history[-1] if result.history else {}
-  log(f"drafter: {len(result.history)} steps, last {last}")
+  log(f"drafter: {len(result.history)} steps, coverage {result.vocab.coverage:.3f}, "
+      f"last loss {last.get('loss')}, step accuracy {last.get('acc')}")
   import ml_dtypes
   _to_bf16(drafter_dir, ml_dtypes.bfloat16)
-  log(f"done in {time.perf_counter() - t_start:.0f} s")
 
 
 def _to_bf16(drafter_dir: str, dtype) -> None:

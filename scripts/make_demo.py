@@ -9,19 +9,28 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle3jax.demo import DEFAULT_DIR, DemoConfig, make_demo  # noqa: E402
+from eagle3jax.demo import DEFAULT_DIR, DemoConfig, make_demo, make_drafter  # noqa: E402
 
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--out", default=DEFAULT_DIR, help="output folder")
+  p.add_argument("--drafter-only", action="store_true",
+                 help="keep OUT/target and OUT/manifest.json; retrain only OUT/drafter")
+  p.add_argument("--state-dir", default=None,
+                 help="with --drafter-only: keep the drafter's data and checkpoints here "
+                      "(a run given the same folder resumes)")
   for field in dataclasses.fields(DemoConfig):
     p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
                    default=field.default, help=f"DemoConfig.{field.name}")
   args = p.parse_args()
   cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
   try:
-    make_demo(args.out, cfg, log=lambda m: print(m, flush=True))
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    if args.drafter_only:
+      make_drafter(args.out, cfg, log=log, state_dir=args.state_dir)
+    else:
+      make_demo(args.out, cfg, log=log)
   except (ValueError, OSError) as e:
     print(f"make_demo.py: error: {e}", file=sys.stderr)
     return 2
