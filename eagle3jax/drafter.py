@@ -177,6 +177,31 @@ class Eagle3Drafter(nnx.Module):
     offsets = self.d2t[...].at[draft_ids].get(out_sharding=out_spec(axes, draft_ids.shape))
     return draft_ids + offsets
 
+  # The layer's maths is split in two so that training (eagle3jax.training.ttt), which attends
+  # over keys of earlier unrolled steps, runs exactly the code that serves.
+  @property
+  def attention_scale(self) -> float:
+    return 1.0 / math.sqrt(self.config.resolved_head_dim)
+
+  def attention_inputs(self, tokens, hidden, positions):
+    """``(hidden, q [B,T,N,H], k [B,T,K,H], v)``: z = [norm(e), norm(hidden)], projected,
+    RoPE on q and k."""
+    cfg = self.config
+    hidden = shard(hidden.astype(self.dtype), ACT)
+    e = self.embed(tokens)
+    z = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(hidden)], axis=-1)
+    attn = self.self_attn
+    q = jnp.einsum("BTD,DNH->BTNH", z, attn.q_proj[...])
+    k = jnp.einsum("BTD,DKH->BTKH", z, attn.k_proj[...])
+    v = jnp.einsum("BTD,DKH->BTKH", z, attn.v_proj[...])
+    inv_freq = cfg.rope.inv_frequencies(cfg.resolved_head_dim)
+    return hidden, apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+  def attention_output(self, hidden, o):
+    """``a``: residual from ``hidden`` (not the embedding), o_proj, then the SwiGLU MLP."""
+    u = shard(hidden + einsum("BTNH,NHD->BTD", o, self.self_attn.o_proj[...], ACT), ACT)
+    return shard(u + self.mlp(self.post_attention_layernorm(u)), ACT)
+
   def __call__(self, tokens, hidden, positions, cache: kv_lib.KVCache | None = None,
                tree_mask=None, write_at=None):
     """One drafter layer.
@@ -192,20 +217,10 @@ class Eagle3Drafter(nnx.Module):
     Returns:
       ``(a [B, T, D] pre-norm outputs, cache)``.
     """
-    cfg = self.config
     b, t = tokens.shape
     if tree_mask is None:
       tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
-    hidden = shard(hidden.astype(self.dtype), ACT)
-    e = self.embed(tokens)
-    z = jnp.concatenate([self.input_layernorm(e), self.hidden_norm(hidden)], axis=-1)
-    attn = self.self_attn
-    q = jnp.einsum("BTD,DNH->BTNH", z, attn.q_proj[...])
-    k = jnp.einsum("BTD,DKH->BTKH", z, attn.k_proj[...])
-    v = jnp.einsum("BTD,DKH->BTKH", z, attn.v_proj[...])
-    inv_freq = cfg.rope.inv_frequencies(cfg.resolved_head_dim)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    hidden, q, k, v = self.attention_inputs(tokens, hidden, positions)
     if cache is None:
       k_buf, v_buf, lengths = k, v, jnp.zeros((b,), jnp.int32)
     else:
@@ -213,10 +228,9 @@ class Eagle3Drafter(nnx.Module):
       start = lengths if write_at is None else write_at
       k_buf = kv_lib.write(cache.k[0], k, start)
       v_buf = kv_lib.write(cache.v[0], v, start)
-    o = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask,
-                        scale=1.0 / math.sqrt(cfg.resolved_head_dim), impl="xla")
-    u = shard(hidden + einsum("BTNH,NHD->BTD", o, attn.o_proj[...], ACT), ACT)
-    a = shard(u + self.mlp(self.post_attention_layernorm(u)), ACT)
+    o = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask, scale=self.attention_scale,
+                        impl="xla")
+    a = self.attention_output(hidden, o)
     new_cache = None if cache is None else kv_lib.KVCache((k_buf,), (v_buf,), lengths)
     return a, new_cache
 

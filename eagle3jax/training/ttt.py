@@ -23,16 +23,11 @@ argmax: a proxy for per-depth acceptance.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax import attention as attn_lib
-from eagle3jax.layers import einsum
-from eagle3jax.llama import ACT
-from eagle3jax.rope import apply_rope
 from eagle3jax.sharding import BATCH, SEQ, batch_major, out_spec, shard
 
 
@@ -66,18 +61,8 @@ def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
   Returns:
     ``(a [B, T, D], k [B, T, K, H], v [B, T, K, H])``: pre-norm output and this step's keys.
   """
-  cfg = drafter.config
   b, t = tokens.shape
-  hidden = shard(hidden.astype(drafter.dtype), ACT)
-  e = drafter.embed(tokens)
-  z = jnp.concatenate([drafter.input_layernorm(e), drafter.hidden_norm(hidden)], axis=-1)
-  attn = drafter.self_attn
-  q = jnp.einsum("BTD,DNH->BTNH", z, attn.q_proj[...])
-  k = jnp.einsum("BTD,DKH->BTKH", z, attn.k_proj[...])
-  v = jnp.einsum("BTD,DKH->BTKH", z, attn.v_proj[...])
-  inv_freq = cfg.rope.inv_frequencies(cfg.resolved_head_dim)
-  q = apply_rope(q, positions, inv_freq)
-  k = apply_rope(k, positions, inv_freq)
+  hidden, q, k, v = drafter.attention_inputs(tokens, hidden, positions)
   k_all = jnp.concatenate(list(past_k) + [k], axis=1)                  # [B, W, K, H]
   v_all = jnp.concatenate(list(past_v) + [v], axis=1)
   w = k_all.shape[1]
@@ -85,11 +70,9 @@ def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
     raise ValueError(f"drafter_layer: mask shape {mask.shape} != ({t}, {w})")
   tree_mask = shard(jnp.broadcast_to(jnp.asarray(mask), (b, t, w)), (BATCH, SEQ, SEQ))
   lengths = batch_major(jnp.zeros((b,), jnp.int32))
-  o = attn_lib.attend(q, k_all, v_all, lengths, tree_mask,
-                      scale=1.0 / math.sqrt(cfg.resolved_head_dim), impl="xla")
-  u = shard(hidden + einsum("BTNH,NHD->BTD", o, attn.o_proj[...], ACT), ACT)
-  a = shard(u + drafter.mlp(drafter.post_attention_layernorm(u)), ACT)
-  return a, k, v
+  o = attn_lib.attend(q, k_all, v_all, lengths, tree_mask, scale=drafter.attention_scale,
+                      impl="xla")
+  return drafter.attention_output(hidden, o), k, v
 
 
 def _shift(x: jax.Array, n: int) -> jax.Array:
