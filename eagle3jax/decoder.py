@@ -22,6 +22,19 @@ from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, 
 ACT = (BATCH, SEQ, EMBED)
 
 
+class DecoderLayer(nnx.Module):
+  """A pre-norm decoder layer: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``. Subclasses
+  create ``input_layernorm``, ``self_attn`` (returning ``(out, k_buf, v_buf)``),
+  ``post_attention_layernorm`` and ``mlp``."""
+
+  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
+    a, k_buf, v_buf = self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf,
+                                     lengths, tree_mask, impl)
+    x = shard(x + a, ACT)
+    x = shard(x + self.mlp(self.post_attention_layernorm(x)), ACT)
+    return x, k_buf, v_buf
+
+
 class DecoderLM(nnx.Module):
   """Shared forward of decoder-only target models (see the module docstring)."""
 

@@ -32,7 +32,7 @@ from flax import nnx
 
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
-from eagle3jax.decoder import DecoderLM
+from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.layers import RMSNorm, einsum, param
 from eagle3jax.llama import ACT, LlamaMLP
@@ -196,7 +196,7 @@ class MoE(nnx.Module):
     return y
 
 
-class DeepseekDecoderLayer(nnx.Module):
+class DeepseekDecoderLayer(DecoderLayer):
   def __init__(self, cfg: DeepseekConfig, index: int, dtype):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = MLAttention(cfg, dtype)
@@ -206,12 +206,6 @@ class DeepseekDecoderLayer(nnx.Module):
     else:
       self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
-    a, k_buf, v_buf = self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf,
-                                     lengths, tree_mask, impl)
-    x = shard(x + a, ACT)
-    x = shard(x + self.mlp(self.post_attention_layernorm(x)), ACT)
-    return x, k_buf, v_buf
 
 
 class DeepseekForCausalLM(DecoderLM):

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.deepseek_config import DeepseekConfig, unwrap_text_config
+from eagle3jax.hf_target import refuse_unexpected
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.safetensors_io import SafetensorsDir
 from eagle3jax.sharding import single_device_mesh
@@ -173,10 +174,7 @@ def load_deepseek(path: str, hf_cfg: dict, *, mesh: Mesh | None = None, dtype=jn
   extra = [n for n in tensors.names if n not in used and not _ignorable(n, cfg, prefix)]
   if cfg.tie_word_embeddings:
     extra = [n for n in extra if n != prefix + "lm_head.weight"]
-  if extra:
-    raise ValueError(f"checkpoint {path!r} has unexpected weights {sorted(extra)[:8]}"
-                     f"{' ...' if len(extra) > 8 else ''} that a {cfg.model_type} model with "
-                     "this config does not use")
+  refuse_unexpected(path, extra, cfg.model_type)
   model.mesh = mesh
   return model
 

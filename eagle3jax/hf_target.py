@@ -74,6 +74,14 @@ def hf_name_and_transform(name: str, cfg: LlamaConfig):
   return prefix + hf, fn
 
 
+def refuse_unexpected(path: str, extra, model_type: str) -> None:
+  """Raises ValueError naming checkpoint tensors that the model does not use."""
+  if extra:
+    raise ValueError(f"checkpoint {path!r} has unexpected weights {sorted(extra)[:8]}"
+                     f"{' ...' if len(extra) > 8 else ''} that a {model_type} model with "
+                     "this config does not use")
+
+
 def _model_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
   kv_repeat = kv_head_replication(cfg.num_attention_heads, cfg.num_key_value_heads,
                                   mesh.shape[TENSOR])
@@ -128,10 +136,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
   extra = [n for n in tensors.names if n not in used and not _IGNORED.match(n)]
   if cfg.tie_word_embeddings:
     extra = [n for n in extra if n != "lm_head.weight"]  # some tied checkpoints store a copy
-  if extra:
-    raise ValueError(f"checkpoint {path!r} has unexpected weights {sorted(extra)[:8]}"
-                     f"{' ...' if len(extra) > 8 else ''} that a {cfg.model_type} model with "
-                     "this config does not use")
+  refuse_unexpected(path, extra, cfg.model_type)
   model.mesh = mesh
   return model
 

@@ -25,10 +25,10 @@ from flax import nnx
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax.config import LlamaConfig
-from eagle3jax.decoder import ACT, DecoderLM
+from eagle3jax.decoder import ACT, DecoderLayer, DecoderLM
 from eagle3jax.layers import RMSNorm, einsum, param
 from eagle3jax.rope import apply_rope
-from eagle3jax.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB, shard
+from eagle3jax.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB
 
 
 def kv_head_replication(num_heads: int, num_kv_heads: int, tensor: int) -> int:
@@ -98,19 +98,13 @@ class LlamaMLP(nnx.Module):
     return einsum("BTF,FD->BTD", jax.nn.silu(gate) * up, self.down_proj[...], ACT)
 
 
-class LlamaDecoderLayer(nnx.Module):
+class LlamaDecoderLayer(DecoderLayer):
   def __init__(self, cfg: LlamaConfig, kv_repeat: int, dtype):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = LlamaAttention(cfg, kv_repeat, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
-  def __call__(self, x, positions, k_buf, v_buf, lengths, tree_mask, impl):
-    a, k_buf, v_buf = self.self_attn(self.input_layernorm(x), positions, k_buf, v_buf,
-                                     lengths, tree_mask, impl)
-    x = shard(x + a, ACT)
-    x = shard(x + self.mlp(self.post_attention_layernorm(x)), ACT)
-    return x, k_buf, v_buf
 
 
 class LlamaForCausalLM(DecoderLM):
