@@ -26,9 +26,13 @@ def copy_drafter(tgt, capture=CAPTURE):
   add nothing, and the head scores tokens by embedding similarity. So drafts are accepted
   sometimes and rejected sometimes: every acceptance path of the engine runs."""
   assert capture.layer_ids[0] == -1
-  dr = random_drafter(tgt, capture)
+  return make_copy_drafter(random_drafter(tgt, capture), tgt)
+
+
+def make_copy_drafter(dr, tgt):
+  """Sets ``dr``'s weights so that it proposes the token two positions back (see above)."""
   d = tgt.config.hidden_size
-  k = len(capture.layer_ids)
+  k = len(dr.config.capture.layer_ids)
   fc = np.zeros((k * d, d), np.float32)
   fc[:d] = np.eye(d)
   emb = np.asarray(tgt.embed_tokens[...], np.float32)

@@ -23,6 +23,7 @@ from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.hf_deepseek import dequantize_fp8
 from eagle3jax.rope import RopeConfig
 from tests import deepseek_models as dm
+from tests import engine_helpers
 from tests import hf_models
 
 CFG = DeepseekConfig.tiny()
@@ -284,20 +285,7 @@ def _copy_drafter(tgt, capture):
   """Proposes the token two back (see tests/engine_helpers.copy_drafter): some drafts are
   accepted and some rejected, so every acceptance path runs."""
   dr = eagle3jax.init_drafter(_drafter_cfg(tgt.config, capture), target=tgt, seed=1, std=0.1)
-  d = tgt.config.hidden_size
-  fc = np.zeros((len(capture.layer_ids) * d, d), np.float32)
-  fc[:d] = np.eye(d)
-
-  def put(var, value):
-    old = var[...]
-    var[...] = jax.device_put(jnp.asarray(value, old.dtype), old.sharding)
-
-  put(dr.fc, fc)
-  put(dr.self_attn.o_proj, np.zeros(dr.self_attn.o_proj[...].shape))
-  put(dr.mlp.down_proj, np.zeros(dr.mlp.down_proj[...].shape))
-  put(dr.norm.weight, np.ones(d))
-  put(dr.lm_head, np.asarray(tgt.embed_tokens[...], np.float32).T * 10.0)
-  return dr
+  return engine_helpers.make_copy_drafter(dr, tgt)
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 3], [1, 3, 4], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
