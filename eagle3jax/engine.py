@@ -23,6 +23,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from eagle3jax import acceptance, tree as tree_lib
@@ -131,8 +132,43 @@ def _log_softmax(x):
   return jax.nn.log_softmax(x.astype(jnp.float32), axis=-1)
 
 
+def _draft_chain(drafter, st: DecodeState, spec: EngineSpec):
+  """``topk == 1``: the tree is a chain of the drafter's argmax tokens, so the scores, the
+  candidate pool and the selection of ``_draft`` are skipped (same tokens, same tree)."""
+  steps = spec.tree.num_steps
+  m = st.target_cache.lengths
+  b = m.shape[0]
+  tok = drafter.to_target_ids(jnp.argmax(drafter.logits(st.d_hidden[:, None]), axis=-1))
+  tok = bm(tok.astype(jnp.int32))                                          # [B, 1]
+  hidden = st.d_hidden[:, None]
+  chain = [tok]
+  dcache = st.draft_cache
+  for j in range(1, steps):
+    window = jnp.arange(spec.tree.tree_window)
+    anc = bm(jnp.broadcast_to((window < j)[None, None], (b, 1, spec.tree.tree_window)))
+    hidden, dcache = drafter(tok, hidden, bm((m - 1 + j)[:, None]), dcache, anc,
+                             write_at=m + j - 1)
+    tok = drafter.to_target_ids(jnp.argmax(drafter.logits(hidden), axis=-1))
+    tok = bm(tok.astype(jnp.int32))
+    chain.append(tok)
+  tokens = jnp.concatenate([bm(st.bonus[:, None])] + chain, axis=1)       # [B, steps + 1]
+  p = steps + 1
+  const = lambda x: bm(jnp.broadcast_to(jnp.asarray(x), (b,) + np.shape(x)))  # noqa: E731
+  parent = const(np.maximum(np.arange(p, dtype=np.int32) - 1, 0))
+  depth = const(np.arange(p, dtype=np.int32))
+  mask = const(np.tril(np.ones((p, p), bool)))
+  return tokens, parent, depth, mask, dcache
+
+
 def _draft(drafter, st: DecodeState, spec: EngineSpec):
   """Builds the draft tree. Returns tree tokens, parent, depth, mask and the drafter cache."""
+  if spec.tree.topk == 1:
+    return _draft_chain(drafter, st, spec)
+  return _draft_tree(drafter, st, spec)
+
+
+def _draft_tree(drafter, st: DecodeState, spec: EngineSpec):
+  """EAGLE-2 dynamic tree expansion and selection (any ``topk``)."""
   tree = spec.tree
   k, m = tree.topk, st.target_cache.lengths
   b = m.shape[0]
@@ -176,40 +212,48 @@ def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec
   m = st.target_cache.lengths
   b = m.shape[0]
   active = ~st.done
-  keys, round_keys = _split_keys(st.keys)
+  # Greedy rounds draw nothing: the keys stay as they are.
+  keys, round_keys = (st.keys, None) if spec.sampling.greedy else _split_keys(st.keys)
 
   # --- Step 1: draft ---
-  tokens, parent, depth, mask, dcache = _draft(drafter, st, spec)
+  with jax.named_scope("draft"):
+    tokens, parent, depth, mask, dcache = _draft(drafter, st, spec)
 
   # --- Step 2: verify ---
-  logits, aux, tcache = target(tokens, m[:, None] + depth, st.target_cache, mask, spec.capture,
-                               attention_impl=spec.attention_impl)
+  with jax.named_scope("verify"):
+    logits, aux, tcache = target(tokens, m[:, None] + depth, st.target_cache, mask,
+                                 spec.capture, attention_impl=spec.attention_impl)
 
   # --- Step 3: accept ---
-  if spec.sampling.greedy:
-    best, acc, bonus = acceptance.greedy(logits, tokens, parent, depth, mask)
-  else:
-    probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
-    best, acc, bonus = acceptance.rejection_sample(
-        probs, tokens, parent, depth, jax.vmap(jax.random.wrap_key_data)(round_keys),
-        tree.num_steps)
+  with jax.named_scope("accept"):
+    if spec.sampling.greedy:
+      best, acc, bonus = acceptance.greedy(logits, tokens, parent, depth, mask)
+    else:
+      probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
+      best, acc, bonus = acceptance.rejection_sample(
+          probs, tokens, parent, depth, jax.vmap(jax.random.wrap_key_data)(round_keys),
+          tree.num_steps)
 
   # --- Step 4: commit ---
-  mask_row = pick_rows(mask, best)
-  path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
-  new_m = jnp.where(active, m + acc + 1, m)
-  tcache = _commit_cache(tcache, path, new_m)
-  d = jnp.arange(w, dtype=jnp.int32)[None, :]
-  after = gather_rows(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1))
-  new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]
-  feats = gather_rows(aux, path)              # [B, W, k*Dt]
-  causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
-  a, dcache = drafter(new_tokens, drafter.project(feats), m[:, None] + d,
-                      dcache.with_lengths(m), causal)
-  d_hidden = pick_rows(a, acc)
-  dcache = dcache.with_lengths(new_m)
+  with jax.named_scope("commit"):
+    mask_row = pick_rows(mask, best)
+    path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
+    new_m = jnp.where(active, m + acc + 1, m)
+    tcache = _commit_cache(tcache, path, new_m)
+    d = jnp.arange(w, dtype=jnp.int32)[None, :]
+    after = gather_rows(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1))
+    new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]
+    feats = gather_rows(aux, path)              # [B, W, k*Dt]
 
-  # --- Step 5: emit, stop ---
+  # --- Step 5: drafter catch-up over the committed positions ---
+  with jax.named_scope("catch_up"):
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
+    a, dcache = drafter(new_tokens, drafter.project(feats), m[:, None] + d,
+                        dcache.with_lengths(m), causal)
+    d_hidden = pick_rows(a, acc)
+    dcache = dcache.with_lengths(new_m)
+
+  # --- Step 6: emit, stop ---
   out, out_len, finished = _emit(st, new_tokens, acc + 1, dyn)
   full = new_m + spec.slots_needed > tcache.max_len
   keep = lambda new, old: jnp.where(  # noqa: E731

@@ -123,3 +123,29 @@ def test_bad_input_messages(pair):
                        num_draft_tokens=50)
   with pytest.raises(ValueError, match="max_new_tokens=0"):
     eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=0)
+
+
+def test_chain_fast_path_builds_the_general_trees_chain():
+  # topk == 1 takes _draft_chain (argmax, no pool or selection); the general EAGLE-2 code must
+  # build the very same chain, tree arrays and drafter cache from the same state.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from eagle3jax.sampling import SamplingParams
+  from eagle3jax.tree import TreeShape
+  tgt = h.target()
+  dr = h.random_drafter(tgt, seed=3)
+  spec = engine.EngineSpec(tree=TreeShape(4, 1, 5), sampling=SamplingParams(greedy=True),
+                           capture=h.CAPTURE)
+  tokens = jnp.asarray([h.PROMPTS[0]], jnp.int32)
+  dyn = engine.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
+                       eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+  with jax.set_mesh(tgt.mesh):
+    st = engine._prefill(tgt, dr, tokens, jnp.asarray([tokens.shape[1]], jnp.int32),
+                         jnp.zeros((1, 2), jnp.uint32), dyn, spec, 64, 16)
+    chain = engine._draft_chain(dr, st, spec)
+    general = engine._draft_tree(dr, st, spec)
+  for name, a, b in zip(("tokens", "parent", "depth", "mask"), chain[:4], general[:4]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+  for a, b in zip(jax.tree.leaves(chain[4]), jax.tree.leaves(general[4])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
