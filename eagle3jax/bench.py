@@ -17,7 +17,7 @@ def _run(gen, prompts, batch, *, paired=None):
 
   ``paired``: another generate function run on each batch just before ``gen`` (the
   autoregressive baseline), so both are timed side by side over the same stretch of wall
-  clock; its tokens/s is then returned as a fifth value.
+  clock; its tokens/s is the fifth value returned (None without ``paired``).
   """
   outs, new, seconds, rounds, accepted = [], 0, 0.0, 0, 0.0
   per_pos = []
@@ -36,9 +36,8 @@ def _run(gen, prompts, batch, *, paired=None):
     if r.stats["acceptance_per_position"]:
       per_pos.append((r.stats["rounds"], np.asarray(r.stats["acceptance_per_position"])))
   pos = (sum(n * a for n, a in per_pos) / max(rounds, 1)).tolist() if per_pos else []
-  if paired is not None:
-    return outs, new / seconds, accepted / max(rounds, 1), pos, base_new / base_s
-  return outs, new / seconds, accepted / max(rounds, 1), pos
+  base = base_new / base_s if paired is not None else None
+  return outs, new / seconds, accepted / max(rounds, 1), pos, base
 
 
 def transformers_tokens_per_s(target_dir: str, prompts, max_new_tokens: int) -> float:
@@ -84,7 +83,7 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
   for batch in batches:
     ar_gen = lambda ps: eagle3jax.generate(target, None, ps, **kw)  # noqa: E731
     ar_gen(prompts[:batch])  # compile
-    ar_out, ar_tps, _, _ = _run(ar_gen, prompts, batch)
+    ar_out, ar_tps, _, _, _ = _run(ar_gen, prompts, batch)
     log(f"batch {batch}: autoregressive {ar_tps:.1f} tokens/s")
     ar_alone[batch] = ar_tps
     for steps, topk, n in settings:

@@ -207,7 +207,6 @@ class DeepseekDecoderLayer(DecoderLayer):
       self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
 
-
 class DeepseekForCausalLM(DecoderLM):
   """A DeepSeek-V3 / Kimi-K2 causal LM. Build with ``eagle3jax.load_target`` or
   ``eagle3jax.hf_deepseek.init_deepseek``. The forward is ``DecoderLM.__call__``; MLA always

@@ -134,30 +134,25 @@ def _log_softmax(x):
 
 def _draft_chain(drafter, st: DecodeState, spec: EngineSpec):
   """``topk == 1``: the tree is a chain of the drafter's argmax tokens, so the scores, the
-  candidate pool and the selection of ``_draft`` are skipped (same tokens, same tree)."""
-  steps = spec.tree.num_steps
+  candidate pool and the selection of ``_draft_tree`` are skipped (same tokens, same tree)."""
+  steps, window = spec.tree.num_steps, spec.tree.tree_window
   m = st.target_cache.lengths
   b = m.shape[0]
-  tok = drafter.to_target_ids(jnp.argmax(drafter.logits(st.d_hidden[:, None]), axis=-1))
-  tok = bm(tok.astype(jnp.int32))                                          # [B, 1]
+
+  def argmax_token(a):                                                     # [B, 1, D] -> [B, 1]
+    return bm(drafter.to_target_ids(jnp.argmax(drafter.logits(a), axis=-1)).astype(jnp.int32))
+
   hidden = st.d_hidden[:, None]
-  chain = [tok]
+  drafts = [argmax_token(hidden)]
   dcache = st.draft_cache
   for j in range(1, steps):
-    window = jnp.arange(spec.tree.tree_window)
-    anc = bm(jnp.broadcast_to((window < j)[None, None], (b, 1, spec.tree.tree_window)))
-    hidden, dcache = drafter(tok, hidden, bm((m - 1 + j)[:, None]), dcache, anc,
+    # Step j's token sees the j tree slots written so far (the chain above it).
+    anc = bm(jnp.broadcast_to(jnp.asarray(np.arange(window) < j), (b, 1, window)))
+    hidden, dcache = drafter(drafts[-1], hidden, bm((m - 1 + j)[:, None]), dcache, anc,
                              write_at=m + j - 1)
-    tok = drafter.to_target_ids(jnp.argmax(drafter.logits(hidden), axis=-1))
-    tok = bm(tok.astype(jnp.int32))
-    chain.append(tok)
-  tokens = jnp.concatenate([bm(st.bonus[:, None])] + chain, axis=1)       # [B, steps + 1]
-  p = steps + 1
-  const = lambda x: bm(jnp.broadcast_to(jnp.asarray(x), (b,) + np.shape(x)))  # noqa: E731
-  parent = const(np.maximum(np.arange(p, dtype=np.int32) - 1, 0))
-  depth = const(np.arange(p, dtype=np.int32))
-  mask = const(np.tril(np.ones((p, p), bool)))
-  return tokens, parent, depth, mask, dcache
+    drafts.append(argmax_token(hidden))
+  tokens = jnp.concatenate([bm(st.bonus[:, None])] + drafts, axis=1)      # [B, steps + 1]
+  return (tokens,) + tree_lib.chain(b, steps) + (dcache,)
 
 
 def _draft(drafter, st: DecodeState, spec: EngineSpec):

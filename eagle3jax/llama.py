@@ -106,7 +106,6 @@ class LlamaDecoderLayer(DecoderLayer):
     self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
 
 
-
 class LlamaForCausalLM(DecoderLM):
   """A Llama/Qwen2/Qwen3 causal LM (forward: ``DecoderLM.__call__``). Build with
   ``eagle3jax.load_target`` or ``eagle3jax.init_target``; ``kv_repeat`` comes from the mesh."""

@@ -91,6 +91,15 @@ def select(pool_score: jax.Array, pool_parent: jax.Array, pool_token: jax.Array,
   return tokens, parent, depth, ancestor_mask(parent, shape.num_steps)
 
 
+def chain(batch: int, steps: int):
+  """``(parent, depth, mask)`` of a chain of ``steps`` drafts below the root (``topk = 1``):
+  what ``select`` returns for one, as constants. Each ``[B, P]`` / ``[B, P, P]``."""
+  p = steps + 1
+  const = lambda x: bm(jnp.broadcast_to(jnp.asarray(x), (batch,) + x.shape))  # noqa: E731
+  return (const(np.maximum(np.arange(p, dtype=np.int32) - 1, 0)),
+          const(np.arange(p, dtype=np.int32)), const(np.tril(np.ones((p, p), bool))))
+
+
 def ancestor_mask(parent: jax.Array, max_depth: int) -> jax.Array:
   """``[B, P, P]``: node i sees node j iff j is i or an ancestor (root's parent is itself)."""
   b, p = parent.shape

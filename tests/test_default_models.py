@@ -53,3 +53,20 @@ def test_shipped_pair_decodes_losslessly():
                             num_steps=5, topk=1)
   assert spec.tokens == base.tokens
   assert spec.stats["accept_length_mean"] > 1.5  # the trained drafter is right often
+
+
+def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):
+  # A short run of the benchmark on the shipped pair: one speculative setting, batch 1, with
+  # the transformers baseline; every row carries its own paired autoregressive timing.
+  from eagle3jax.bench import plot, run_benchmark
+  result = run_benchmark(DEFAULT_TARGET, DEFAULT_DRAFTER, num_prompts=2, max_new_tokens=8,
+                         batches=(1,), settings=((2, 1, 3),), log=lambda m: None)
+  (row,) = result["rows"]
+  assert row["matches_autoregressive"] is True
+  assert row["accept_length_mean"] >= 1.0 and len(row["acceptance_per_position"]) == 2
+  assert row["speedup"] == row["tokens_per_s"] / row["ar_tokens_per_s"] > 0
+  assert result["transformers_tokens_per_s"] > 0 and result["engine_ar_vs_transformers"] > 0
+  assert result["best_batch1"] == {"steps": 2, "topk": 1, "draft_tokens": 3}
+  json.dumps(result)
+  plot(result, str(tmp_path / "bench.png"))
+  assert (tmp_path / "bench.png").stat().st_size > 1000
