@@ -10,6 +10,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TARGET = os.path.join(REPO, "models", "default", "target")
 DEFAULT_DRAFTER = os.path.join(REPO, "models", "default", "drafter")
+TIMING_RUNS = 3  # with --baseline: timed runs of each decoding, alternating
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
@@ -27,9 +28,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
   p.add_argument("--top-p", type=float, default=1.0)
   p.add_argument("--top-k", type=int, default=0)
-  p.add_argument("--steps", type=int, default=5, help="draft steps (tree depth)")
+  # The default tree is the benchmark's best batch-1 setting on the shipped pair (README).
+  p.add_argument("--steps", type=int, default=7, help="draft steps (tree depth)")
   p.add_argument("--topk", type=int, default=1, help="branching per draft step (1 = chain)")
-  p.add_argument("--draft-tokens", type=int, default=6,
+  p.add_argument("--draft-tokens", type=int, default=8,
                  help="verified tokens per round, root included (chains use steps + 1)")
   p.add_argument("--mesh", default="1,1", help="DATA,TENSOR mesh shape")
   p.add_argument("--aux-layer-convention", choices=("input", "output"), default=None,
@@ -114,10 +116,20 @@ def _run(args) -> int:
       "tokens_per_s": result.stats["tokens_per_s"],
   }
   if args.baseline:
-    eagle3jax.generate(target, None, [prompt], **kw)
-    base = eagle3jax.generate(target, None, [prompt], **kw)
-    report["baseline_tokens_per_s"] = base.stats["tokens_per_s"]
-    report["speedup"] = result.stats["tokens_per_s"] / base.stats["tokens_per_s"]
+    eagle3jax.generate(target, None, [prompt], **kw)  # compile
+    # One run is a fraction of a second, and this machine's speed drifts: time speculative
+    # and autoregressive decoding alternately, TIMING_RUNS times each, and keep each one's
+    # best (timing noise only ever slows a run down).
+    spec_tps, base_tps = [result.stats["tokens_per_s"]], []
+    for i in range(TIMING_RUNS):
+      base = eagle3jax.generate(target, None, [prompt], **kw)
+      base_tps.append(base.stats["tokens_per_s"])
+      if i + 1 < TIMING_RUNS:
+        spec_tps.append(eagle3jax.generate(target, drafter, [prompt], **kw,
+                                           **spec_kw).stats["tokens_per_s"])
+    report["tokens_per_s"] = max(spec_tps)
+    report["baseline_tokens_per_s"] = max(base_tps)
+    report["speedup"] = report["tokens_per_s"] / report["baseline_tokens_per_s"]
     report["matches_baseline"] = (base.tokens[0] == out) if args.temperature == 0 else None
   if args.json:
     print(json.dumps(report))

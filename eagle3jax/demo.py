@@ -118,7 +118,7 @@ class DemoConfig:
   draft_prompts: int = 3072
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 1200
+  draft_steps: int = 2000
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 5
