@@ -2,9 +2,11 @@
 
 ``DecoderLM`` is the base of ``LlamaForCausalLM`` and ``DeepseekForCausalLM``. A subclass
 provides ``config`` (``rms_norm_eps``, ``tie_word_embeddings``, ``num_hidden_layers``,
-``hidden_size``), ``embed_tokens``, ``layers`` (each called as
+``hidden_size``), ``embed_tokens``, ``layer_stacks()`` (the stacked layer modules of
+``eagle3jax.stack`` with the global index of their first layer; each layer is called as
 ``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)``), ``norm``,
-``lm_head`` when untied, and ``allocate_cache``. Captures follow ``eagle3jax.capture``: every
+``lm_head`` when untied, and ``allocate_cache``. The layers run as scans over segments that
+end at the captured layers (``eagle3jax.stack``). Captures follow ``eagle3jax.capture``: every
 captured tensor goes through ``CaptureSpec.annotate`` here and nowhere else.
 """
 
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3jax import kv_cache as kv_lib
+from eagle3jax import stack as stack_lib
 from eagle3jax.capture import EMBEDDING, CaptureSpec
 from eagle3jax.layers import einsum, rms_norm
 from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, shard
@@ -99,18 +102,22 @@ class DecoderLM(nnx.Module):
     captures = {}
     if capture is not None and EMBEDDING in capture.layer_ids:
       captures[EMBEDDING] = capture.annotate(x)
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      k_buf = None if cache is None else cache.k[i]
-      v_buf = None if cache is None else cache.v[i]
-      x, k_buf, v_buf = layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
-      new_k.append(k_buf)
-      new_v.append(v_buf)
-      if capture is not None and i in capture.layer_ids:
-        captures[i] = capture.annotate(x)
+
+    def step(layer, x, k_buf, v_buf):
+      return layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
+
+    stacks = self.layer_stacks()
+    bounds = [(off, off + stack_lib.stack_size(st)) for st, off in stacks]
+    cuts = [] if capture is None else [i for i in capture.layer_ids if i >= 0]
+    kv = None if cache is None else (cache.k, cache.v)
+    for s, start, end in stack_lib.segments(bounds, cuts):
+      stack, offset = stacks[s]
+      x, kv = stack_lib.scan_layers(stack, offset, start, end, x, kv, step)
+      if end - 1 in cuts:
+        captures[end - 1] = capture.annotate(x)
     aux = capture.concat(captures) if capture is not None else None
     if logits_index is not None:
       x = gather_rows(x, logits_index)
     logits = self.lm_logits(rms_norm(x, self.norm.weight[...], self.config.rms_norm_eps))
-    new_cache = None if cache is None else kv_lib.KVCache(tuple(new_k), tuple(new_v), lengths)
+    new_cache = None if cache is None else kv_lib.KVCache(kv[0], kv[1], lengths)
     return logits, aux, new_cache

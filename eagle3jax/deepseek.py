@@ -32,16 +32,17 @@ from flax import nnx
 
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
+from eagle3jax import stack as stack_lib
 from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.layers import RMSNorm, einsum, param
 from eagle3jax.llama import ACT, LlamaMLP
 from eagle3jax.rope import apply_rope
-from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LORA, SEQ, VOCAB,
-                                out_spec, shard)
+from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LAYERS, LORA, SEQ,
+                                VOCAB, out_spec, shard)
 
 # Cache layout: one shared "head" (never sharded), latent features replicated.
-LATENT_CACHE_AXES = (BATCH, SEQ, None, LORA)
+LATENT_CACHE_AXES = (LAYERS, BATCH, SEQ, None, LORA)
 # transformers' DeepseekV3RMSNorm default, used by the q/kv latent norms.
 LATENT_NORM_EPS = 1e-6
 # Routing constants of DeepSeek's noaux_tc: groups are scored by their best two experts.
@@ -197,11 +198,11 @@ class MoE(nnx.Module):
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-  def __init__(self, cfg: DeepseekConfig, index: int, dtype):
+  def __init__(self, cfg: DeepseekConfig, moe: bool, dtype):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     self.self_attn = MLAttention(cfg, dtype)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    if cfg.is_moe_layer(index):
+    if moe:
       self.mlp = MoE(cfg, dtype)
     else:
       self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
@@ -216,26 +217,34 @@ class DeepseekForCausalLM(DecoderLM):
     d, v = cfg.hidden_size, cfg.vocab_size
     self.config = cfg
     self.embed_tokens = param((v, d), (VOCAB, EMBED), dtype)
-    self.layers = nnx.List([DeepseekDecoderLayer(cfg, i, dtype)
-                            for i in range(cfg.num_hidden_layers)])
+    # Two stacks, each run as scans (eagle3jax.stack): the dense layers below
+    # first_k_dense_replace, then the MoE layers.
+    k = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    if k:
+      self.dense_layers = stack_lib.stack_layers(
+          lambda: DeepseekDecoderLayer(cfg, False, dtype), k, 0)
+    if cfg.num_hidden_layers > k:
+      self.moe_layers = stack_lib.stack_layers(
+          lambda: DeepseekDecoderLayer(cfg, True, dtype), cfg.num_hidden_layers - k, k)
     self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
 
+  def layer_stacks(self):
+    stacks = []
+    if hasattr(self, "dense_layers"):
+      stacks.append((self.dense_layers, 0))
+    if hasattr(self, "moe_layers"):
+      stacks.append((self.moe_layers, min(self.config.first_k_dense_replace,
+                                          self.config.num_hidden_layers)))
+    return stacks
+
   # --- cache geometry, for the engine ---
   def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
     """A latent cache: ``k[i]`` ``[B, S, 1, C]`` (normed ckv), ``v[i]`` ``[B, S, 1, Hr]``
-    (roped k_pe). Call under ``jax.set_mesh``; ``fill`` poisons it (tests use NaN)."""
+    (roped k_pe), stacked over layers. Call under ``jax.set_mesh``; ``fill`` poisons it (tests
+    use NaN)."""
     cfg = self.config
-
-    def buf(width):
-      shape = (batch, max_len, 1, width)
-      spec = out_spec(LATENT_CACHE_AXES, shape)
-      if fill is None:
-        return jnp.zeros(shape, self.dtype, out_sharding=spec)
-      return jnp.full(shape, fill, self.dtype, out_sharding=spec)
-
-    n = self.num_layers
-    lengths = shard(jnp.zeros((batch,), jnp.int32), (BATCH,))
-    return kv_lib.KVCache(tuple(buf(cfg.kv_lora_rank) for _ in range(n)),
-                          tuple(buf(cfg.qk_rope_head_dim) for _ in range(n)), lengths)
+    return kv_lib.KVCache.allocate(self.num_layers, batch, max_len, 1, cfg.kv_lora_rank,
+                                   self.dtype, fill, v_head_dim=cfg.qk_rope_head_dim,
+                                   axes=LATENT_CACHE_AXES)

@@ -231,7 +231,7 @@ class Eagle3Drafter(nnx.Module):
     o = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask, scale=self.attention_scale,
                         impl="xla")
     a = self.attention_output(hidden, o)
-    new_cache = None if cache is None else kv_lib.KVCache((k_buf,), (v_buf,), lengths)
+    new_cache = None if cache is None else kv_lib.KVCache(k_buf[None], v_buf[None], lengths)
     return a, new_cache
 
 

@@ -121,11 +121,10 @@ def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
 def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KVCache:
   """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer."""
   src = cache.lengths[:, None] + path                                     # [B, W]
-  def move(buf):
+  def move(buf):                                                          # [B, S, K, H]
     rows = gather_rows(buf, src)
     return write(buf, rows, cache.lengths)
-  return KVCache(tuple(move(k) for k in cache.k), tuple(move(v) for v in cache.v),
-                 new_lengths)
+  return KVCache(jax.vmap(move)(cache.k), jax.vmap(move)(cache.v), new_lengths)
 
 
 def _log_softmax(x):

@@ -13,38 +13,37 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from eagle3jax.hf_target import hf_name_and_transform
 from eagle3jax.params import path_str
+from eagle3jax.sharding import KV_HEADS, LAYERS
+from eagle3jax.weights import llama_table, to_hf
 
 
-def _inverse(name: str, cfg, value: np.ndarray, kv_repeat: int) -> np.ndarray:
-  """Our parameter layout -> the HF tensor (the inverse of ``hf_name_and_transform``)."""
-  d, n, h = cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim
-  if kv_repeat > 1 and name.split(".")[-1] in ("k_proj", "v_proj", "k_bias", "v_bias"):
-    value = value[..., ::kv_repeat, :] if value.ndim == 3 else value[::kv_repeat]
-  leaf = name.split(".")[-1]
-  if leaf in ("q_proj", "k_proj", "v_proj"):
-    return value.reshape(d, -1).T
-  if leaf == "o_proj":
-    return value.reshape(n * h, d).T
-  if leaf in ("q_bias", "k_bias", "v_bias"):
-    return value.reshape(-1)
-  if leaf in ("gate_proj", "up_proj", "down_proj", "lm_head"):
-    return value.T
-  return value
+def _unreplicate(value: np.ndarray, axes, kv_repeat: int) -> np.ndarray:
+  """Undoes KV-head replication (``llama.kv_head_replication``) along the ``KV_HEADS`` axis."""
+  if kv_repeat == 1 or KV_HEADS not in axes:
+    return value
+  index = [slice(None)] * value.ndim
+  index[list(axes).index(KV_HEADS)] = slice(None, None, kv_repeat)
+  return value[tuple(index)]
 
 
 def save_target(target, path: str, *, dtype=ml_dtypes.bfloat16, extra_config=None) -> None:
   """Saves ``target`` (a ``LlamaForCausalLM``) as a Hugging Face checkpoint directory."""
   cfg = target.config
   os.makedirs(path, exist_ok=True)
+  table = llama_table(cfg)
   tensors = {}
   for p, var in nnx.to_flat_state(nnx.state(target, nnx.Param)):
-    name = path_str(p)
-    hf_name, _ = hf_name_and_transform(name, cfg)
+    axes = var.get_metadata()["axes"]
     value = np.asarray(jax.device_get(var.get_value()), np.float32)
-    tensors[hf_name] = np.ascontiguousarray(
-        _inverse(name, cfg, value, target.kv_repeat).astype(dtype))
+    if axes[0] == LAYERS:  # stacked layers: one checkpoint tensor per layer
+      pieces = [(f"layers.{i}.{path_str(p[1:])}", value[i], axes[1:])
+                for i in range(value.shape[0])]
+    else:
+      pieces = [(path_str(p), value, axes)]
+    for name, v, ax in pieces:
+      for hf_name, w in to_hf(table.entry(name), _unreplicate(v, ax, target.kv_repeat)).items():
+        tensors[hf_name] = np.ascontiguousarray(w.astype(dtype))
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"),
                               metadata={"format": "pt"})
   rope = cfg.rope

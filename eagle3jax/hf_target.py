@@ -1,14 +1,20 @@
-"""Loading Hugging Face Llama-family checkpoints into ``LlamaForCausalLM``.
+"""Loading Hugging Face target checkpoints: Llama / Qwen2 / Qwen3 and DeepSeek-V3 / Kimi-K2 /
+Kimi-K2.5, through one body.
 
-Each HF tensor is mapped to one parameter with an explicit transform (HF linear weights are
-``[out, in]``; ours are ``[in, ...out]`` with heads split out). Every model parameter must be
-found and every checkpoint tensor must be used: missing or unexpected weights raise
-``ValueError`` with the names.
+Each family gives a config parser, a model factory and its weight table
+(``eagle3jax.weights``); ``_load`` maps every parameter to its checkpoint tensors, converts
+them layer by layer from memory-mapped safetensors and places them with their shardings.
+Every model parameter must be found and every checkpoint tensor used: missing or unexpected
+weights raise ``ValueError`` with the names. Tensors that are not part of the language model's
+forward are skipped: rotary buffers, DeepSeek's multi-token-prediction layers
+(``model.layers.{L}.*``), and in a Kimi-K2.5 checkpoint (language model under
+``language_model.``) the vision tower and projector, named once in a log line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 
@@ -21,9 +27,19 @@ from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.safetensors_io import SafetensorsDir
 from eagle3jax.sharding import TENSOR, single_device_mesh
+from eagle3jax import weights as weights_lib
+
+log = logging.getLogger("eagle3jax")
 
 # Checkpoint tensors that are derived buffers, not weights.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+# Where Kimi-K2.5 (KimiK25ForConditionalGeneration) keeps its language model.
+LANGUAGE_MODEL = "language_model."
+# Keys of DeepSeek's own inference configs (inference/configs/config_671B.json), which are not
+# Hugging Face configs.
+_DEEPSEEK_NATIVE_KEYS = frozenset({"dim", "inter_dim", "moe_inter_dim", "n_layers",
+                                   "n_heads", "n_dense_layers"})
 
 
 def read_config(path: str) -> dict:
@@ -39,39 +55,16 @@ def read_config(path: str) -> dict:
       raise ValueError(f"{cfg_path} is not valid JSON: {e}") from None
 
 
-def hf_name_and_transform(name: str, cfg: LlamaConfig):
-  """Our parameter path -> (HF tensor name, host transform to our logical layout)."""
-  d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
-                cfg.num_key_value_heads)
-  parts = name.split(".")
-  if name == "embed_tokens":
-    return "model.embed_tokens.weight", lambda w: w
-  if name == "lm_head":
-    return "lm_head.weight", lambda w: w.T
-  if name == "norm.weight":
-    return "model.norm.weight", lambda w: w
-  assert parts[0] == "layers", name
-  prefix = f"model.layers.{parts[1]}."
-  rest = ".".join(parts[2:])
-  table = {
-      "self_attn.q_proj": ("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-      "self_attn.k_proj": ("self_attn.k_proj.weight", lambda w: w.T.reshape(d, k, h)),
-      "self_attn.v_proj": ("self_attn.v_proj.weight", lambda w: w.T.reshape(d, k, h)),
-      "self_attn.o_proj": ("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
-      "self_attn.q_bias": ("self_attn.q_proj.bias", lambda w: w.reshape(n, h)),
-      "self_attn.k_bias": ("self_attn.k_proj.bias", lambda w: w.reshape(k, h)),
-      "self_attn.v_bias": ("self_attn.v_proj.bias", lambda w: w.reshape(k, h)),
-      "self_attn.o_bias": ("self_attn.o_proj.bias", lambda w: w),
-      "self_attn.q_norm.weight": ("self_attn.q_norm.weight", lambda w: w),
-      "self_attn.k_norm.weight": ("self_attn.k_norm.weight", lambda w: w),
-      "input_layernorm.weight": ("input_layernorm.weight", lambda w: w),
-      "post_attention_layernorm.weight": ("post_attention_layernorm.weight", lambda w: w),
-      "mlp.gate_proj": ("mlp.gate_proj.weight", lambda w: w.T),
-      "mlp.up_proj": ("mlp.up_proj.weight", lambda w: w.T),
-      "mlp.down_proj": ("mlp.down_proj.weight", lambda w: w.T),
-  }
-  hf, fn = table[rest]
-  return prefix + hf, fn
+def check_hf_config(hf: dict, where: str = "config.json") -> None:
+  """Refuses configs that are not Hugging Face ``config.json`` files, naming what they are."""
+  if not isinstance(hf, dict):
+    raise ValueError(f"{where} must hold a JSON object")
+  native = sorted(_DEEPSEEK_NATIVE_KEYS & set(hf))
+  if "model_type" not in hf and native:
+    raise ValueError(
+        f"{where} is not a Hugging Face config: it has {native} and no model_type, the layout "
+        "of DeepSeek's own inference configs (inference/configs/config_*.json). Use the "
+        "config.json published with the Hugging Face checkpoint (model_type 'deepseek_v3').")
 
 
 def refuse_unexpected(path: str, extra, model_type: str) -> None:
@@ -82,14 +75,28 @@ def refuse_unexpected(path: str, extra, model_type: str) -> None:
                      "this config does not use")
 
 
-def _model_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
+def target_factory(hf_cfg: dict, mesh: Mesh, dtype, quantization: str = "keep"):
+  """(config, model factory, weight table, kv_repeat) of a parsed ``config.json``."""
+  check_hf_config(hf_cfg)
+  if hf_model_type(hf_cfg) in DEEPSEEK_MODEL_TYPES:
+    from eagle3jax.deepseek import DeepseekForCausalLM  # pylint: disable=import-outside-toplevel
+    from eagle3jax.deepseek_config import DeepseekConfig  # pylint: disable=import-outside-toplevel
+    cfg = DeepseekConfig.from_hf(hf_cfg)
+    return (cfg, lambda: DeepseekForCausalLM(cfg, dtype=dtype), weights_lib.deepseek_table(cfg),
+            1)
+  cfg = LlamaConfig.from_hf(hf_cfg)
+  factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
+  return cfg, factory, weights_lib.llama_table(cfg), kv_repeat
+
+
+def _llama_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
   kv_repeat = kv_head_replication(cfg.num_attention_heads, cfg.num_key_value_heads,
                                   mesh.shape[TENSOR])
   return (lambda: LlamaForCausalLM(cfg, kv_repeat=kv_repeat, dtype=dtype)), kv_repeat
 
 
 def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
-  """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2 checkpoint directory.
+  """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2/Kimi-K2.5 checkpoint.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or a sharded
@@ -98,44 +105,62 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
     dtype: parameter dtype.
 
   Returns:
-    A ``LlamaForCausalLM`` (or, for ``model_type`` ``deepseek_v3``/``kimi_k2``, a
-    ``DeepseekForCausalLM``, see ``eagle3jax.hf_deepseek``) whose parameters are placed with
-    their target shardings.
+    A ``LlamaForCausalLM`` (or, for ``model_type`` ``deepseek_v3``/``kimi_k2`` and Kimi-K2.5's
+    ``kimi_k25`` wrapper, a ``DeepseekForCausalLM``) whose parameters are placed with their
+    target shardings.
 
   Raises:
     ValueError: unsupported config values, missing or unexpected weights, shape mismatches.
   """
   mesh = mesh or single_device_mesh()
   hf_cfg = read_config(path)
-  if hf_model_type(hf_cfg) in DEEPSEEK_MODEL_TYPES:
-    from eagle3jax.hf_deepseek import load_deepseek  # pylint: disable=import-outside-toplevel
-    return load_deepseek(path, hf_cfg, mesh=mesh, dtype=dtype)
-  cfg = LlamaConfig.from_hf(hf_cfg)
+  cfg, factory, table, kv_repeat = target_factory(hf_cfg, mesh, dtype)
   tensors = SafetensorsDir(path)
+  prefix = (LANGUAGE_MODEL if "model.embed_tokens.weight" not in tensors
+            and LANGUAGE_MODEL + "model.embed_tokens.weight" in tensors else "")
+  from eagle3jax.hf_deepseek import fp8_block_size, read_dequantized  # pylint: disable=import-outside-toplevel
+  block = fp8_block_size(hf_cfg)
   used = set()
+
+  def read(hf):
+    full = prefix + hf
+    if full not in tensors:
+      raise ValueError(f"checkpoint {path!r} is missing weight {full!r}")
+    used.add(full)
+    return read_dequantized(tensors, full, block, used)
 
   def fill(name, shape, init):
     del init
-    hf, fn = hf_name_and_transform(name, cfg)
-    if hf not in tensors:
-      raise ValueError(f"checkpoint {path!r} is missing weight {hf!r} (needed for {name})")
-    used.add(hf)
-    w = tensors.get(hf)
+    entry = table.entry(name)
+    ws = [read(hf) for hf in entry.hf_names]
+    first = prefix + entry.hf_names[0]
     try:
-      out = fn(w)
+      out = weights_lib.to_ours(entry, ws)
     except ValueError:
-      raise ValueError(f"weight {hf!r} has shape {tuple(w.shape)}, which does not fit the "
-                       f"config (expected {shape} after the layout change)") from None
-    if tuple(out.shape) != tuple(shape):
-      raise ValueError(f"weight {hf!r} has shape {tuple(w.shape)}, which does not fit the "
-                       f"config (expected {shape} after the layout change)")
+      out = None
+    if out is None or tuple(out.shape) != tuple(shape):
+      raise ValueError(f"weight {first!r} has shape {tuple(ws[0].shape)}, which does not fit "
+                       f"the config (expected {shape} after the layout change)")
     return out
 
-  factory, kv_repeat = _model_factory(cfg, mesh, dtype)
   model = materialize(factory, mesh, fill, kv_repeat)
-  extra = [n for n in tensors.names if n not in used and not _IGNORED.match(n)]
+  extra, towers = [], []
+  for n in tensors.names:
+    if n in used or _IGNORED.match(n):
+      continue
+    if not n.startswith(prefix):
+      towers.append(n)
+      continue
+    m = _LAYER.match(n[len(prefix):])
+    if m is not None and int(m.group(1)) >= cfg.num_hidden_layers:
+      continue  # multi-token-prediction layers: not part of the forward
+    extra.append(n)
+  if towers:
+    kinds = sorted({n.split(".")[0] for n in towers})
+    log.info("target %s: skipped %d tensors outside the language model (%s)", path,
+             len(towers), ", ".join(f"{k}.*" for k in kinds))
   if cfg.tie_word_embeddings:
-    extra = [n for n in extra if n != "lm_head.weight"]  # some tied checkpoints store a copy
+    extra = [n for n in extra if n != prefix + "lm_head.weight"]  # tied copies are harmless
   refuse_unexpected(path, extra, cfg.model_type)
   model.mesh = mesh
   return model
@@ -145,7 +170,7 @@ def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32
                 seed: int = 0, std: float = 0.02):
   """A randomly initialised target (the same weights on every mesh for the same seed)."""
   mesh = mesh or single_device_mesh()
-  factory, kv_repeat = _model_factory(cfg, mesh, dtype)
+  factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
   model = materialize(factory, mesh, random_fill(seed, std), kv_repeat)
   model.mesh = mesh
   return model

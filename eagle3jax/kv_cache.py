@@ -1,8 +1,12 @@
-"""A preallocated, static-shape KV cache with per-sequence lengths.
+"""A preallocated, static-shape KV cache with per-sequence lengths, stacked over layers.
 
 Row ``b`` holds ``lengths[b]`` committed tokens in slots ``[0, lengths[b])``; slots beyond are
 arbitrary (never assumed zero: readers mask them). ``extend`` writes new tokens at
 ``lengths[b] ..`` without moving ``lengths``; the caller commits by setting new lengths.
+
+Keys and values of all layers live in one array each, ``[L, B, S, K, H]``, so that the target's
+layer scan (``eagle3jax.stack``) reads and writes layer ``i`` by index and the compiled program
+holds one copy of the layer, whatever ``L`` is.
 """
 
 from __future__ import annotations
@@ -12,18 +16,22 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3jax.sharding import BATCH, HEAD_DIM, KV_HEADS, SEQ, out_spec, shard
+from eagle3jax.sharding import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, out_spec, shard
 
-CACHE_AXES = (BATCH, SEQ, KV_HEADS, HEAD_DIM)
+CACHE_AXES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class KVCache:
-  """Per-layer keys and values ``[B, S, K, H]`` and committed lengths ``[B]`` (int32)."""
-  k: tuple[jax.Array, ...]
-  v: tuple[jax.Array, ...]
+  """Keys and values ``[L, B, S, K, H]`` of every layer and committed lengths ``[B]`` (int32)."""
+  k: jax.Array
+  v: jax.Array
   lengths: jax.Array
+
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
 
   @property
   def batch_size(self) -> int:
@@ -31,21 +39,29 @@ class KVCache:
 
   @property
   def max_len(self) -> int:
-    return self.k[0].shape[1]
+    return self.k.shape[2]
+
+  @property
+  def nbytes(self) -> int:
+    return self.k.nbytes + self.v.nbytes
 
   @classmethod
   def allocate(cls, num_layers: int, batch: int, max_len: int, kv_heads: int, head_dim: int,
-               dtype, fill: float | None = None) -> "KVCache":
-    """Allocates a cache (call under ``jax.set_mesh``). ``fill`` poisons it (tests use NaN)."""
-    shape = (batch, max_len, kv_heads, head_dim)
-    spec = out_spec(CACHE_AXES, shape)
-    def buf():
+               dtype, fill: float | None = None, *, v_head_dim: int | None = None,
+               axes=CACHE_AXES) -> "KVCache":
+    """Allocates a cache (call under ``jax.set_mesh``). ``fill`` poisons it (tests use NaN).
+
+    ``v_head_dim`` gives values another width than keys (MLA's latent cache); ``axes`` are the
+    logical axes of one ``[L, B, S, K, H]`` buffer.
+    """
+    def buf(width):
+      shape = (num_layers, batch, max_len, kv_heads, width)
+      spec = out_spec(axes, shape)
       if fill is None:
         return jnp.zeros(shape, dtype, out_sharding=spec)
       return jnp.full(shape, fill, dtype, out_sharding=spec)
     lengths = shard(jnp.zeros((batch,), jnp.int32), (BATCH,))
-    return cls(tuple(buf() for _ in range(num_layers)), tuple(buf() for _ in range(num_layers)),
-               lengths)
+    return cls(buf(head_dim), buf(head_dim if v_head_dim is None else v_head_dim), lengths)
 
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return dataclasses.replace(self, lengths=lengths)

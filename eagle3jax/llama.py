@@ -24,6 +24,7 @@ from flax import nnx
 
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
+from eagle3jax import stack as stack_lib
 from eagle3jax.config import LlamaConfig
 from eagle3jax.decoder import ACT, DecoderLayer, DecoderLM
 from eagle3jax.layers import RMSNorm, einsum, param
@@ -115,11 +116,15 @@ class LlamaForCausalLM(DecoderLM):
     self.config = cfg
     self.kv_repeat = kv_repeat
     self.embed_tokens = param((v, d), (VOCAB, EMBED), dtype)
-    self.layers = nnx.List([LlamaDecoderLayer(cfg, kv_repeat, dtype)
-                            for _ in range(cfg.num_hidden_layers)])
+    # All layers in one stack [L, ...], run as a scan (eagle3jax.stack).
+    self.layers = stack_lib.stack_layers(lambda: LlamaDecoderLayer(cfg, kv_repeat, dtype),
+                                         cfg.num_hidden_layers)
     self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
+
+  def layer_stacks(self):
+    return [(self.layers, 0)]
 
   # --- cache geometry, for the engine ---
   @property

@@ -5,19 +5,26 @@ Models are constructed abstractly (``nnx.eval_shape``); each parameter carries l
 host value (from a checkpoint or a seeded RNG) and places it with the sharding the parameter
 rules give, transferring to each device only its own shard
 (``jax.make_array_from_callback``).
+
+Stacked layers (``eagle3jax.stack``: a leading ``LAYERS`` axis) are filled one layer at a
+time: ``fill`` is asked for ``layers.{i}.<path>`` in the per-layer shape, as checkpoints name
+them, and each layer is written into its slot of the stacked device array (donated, so at most
+one layer's host copy exists at a time).
 """
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eagle3jax.sharding import KV_HEADS, param_spec
+from eagle3jax.sharding import KV_HEADS, LAYERS, param_spec
 
 # fill(path, logical_shape, init) -> host array in the logical (unreplicated) shape.
 Fill = Callable[[str, tuple[int, ...], str], np.ndarray]
@@ -46,22 +53,54 @@ def materialize(factory: Callable[[], nnx.Module], mesh: Mesh, fill: Fill,
     name = path_str(path)
     if axes is None:
       raise ValueError(f"parameter {name} has no logical axes")
-    logical = list(shape)
-    kv_axis = axes.index(KV_HEADS) if KV_HEADS in axes else None
-    if kv_axis is not None:
-      logical[kv_axis] //= kv_repeat
-    host = np.asarray(fill(name, tuple(logical), meta.get("init", "normal")))
-    if tuple(host.shape) != tuple(logical):
-      raise ValueError(f"weight for {name}: shape {tuple(host.shape)} does not match the "
-                       f"model's {tuple(logical)}")
-    if kv_axis is not None and kv_repeat > 1:
-      host = np.repeat(host, kv_repeat, axis=kv_axis)
-    host = host.astype(dtype)
     sharding = NamedSharding(mesh, param_spec(axes, shape, mesh))
-    arr = jax.make_array_from_callback(shape, sharding, lambda idx, h=host: h[idx])
+    init = meta.get("init", "normal")
+    if axes[0] != LAYERS:
+      arr = _place(fill(name, _logical(shape, axes, kv_repeat), init), name, shape, axes,
+                   dtype, sharding, kv_repeat)
+    else:  # a layer stack: one layer at a time into its slot
+      offset = meta.get("layer_offset", 0)
+      rest = path_str(path[1:])
+      layer_sharding = NamedSharding(mesh, P(*tuple(sharding.spec)[1:]))
+      arr = _zeros(shape, dtype, sharding)
+      for i in range(shape[0]):
+        layer_name = f"layers.{offset + i}.{rest}"
+        piece = _place(fill(layer_name, _logical(shape[1:], axes[1:], kv_repeat), init),
+                       layer_name, shape[1:], axes[1:], dtype, layer_sharding, kv_repeat)
+        arr = _set_layer(arr, piece, i)
     leaves.append(var.replace(arr))
   state = nnx.from_flat_state([(p, v) for (p, _), v in zip(flat, leaves)])
   return nnx.merge(graphdef, state)
+
+
+def _logical(shape, axes, kv_repeat: int) -> tuple[int, ...]:
+  """The shape ``fill`` is asked for: KV heads before replication."""
+  logical = list(shape)
+  if KV_HEADS in axes:
+    logical[list(axes).index(KV_HEADS)] //= kv_repeat
+  return tuple(logical)
+
+
+def _place(host, name, shape, axes, dtype, sharding, kv_repeat: int) -> jax.Array:
+  """Checks a host value's shape, replicates KV heads and places it with ``sharding``."""
+  host = np.asarray(host)
+  logical = _logical(shape, axes, kv_repeat)
+  if tuple(host.shape) != logical:
+    raise ValueError(f"weight for {name}: shape {tuple(host.shape)} does not match the "
+                     f"model's {logical}")
+  if KV_HEADS in axes and kv_repeat > 1:
+    host = np.repeat(host, kv_repeat, axis=list(axes).index(KV_HEADS))
+  host = host.astype(dtype)
+  return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: host[idx])
+
+
+def _zeros(shape, dtype, sharding):
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_layer(stack: jax.Array, piece: jax.Array, i) -> jax.Array:
+  return jax.lax.dynamic_update_index_in_dim(stack, piece.astype(stack.dtype), i, 0)
 
 
 def random_fill(seed: int = 0, std: float = 0.02) -> Fill:

@@ -32,6 +32,7 @@ VOCAB = "vocab"        # V
 EXPERT = "expert"      # E (mixture of experts)
 LORA = "lora"          # low-rank latent dims (MLA); always replicated
 CAPTURE = "capture"    # the concatenated capture features k*D
+LAYERS = "layers"      # L: stacked decoder layers (scanned over, never sharded)
 
 PARAM_RULES: dict[str, str | None] = {
     EMBED: None,
@@ -43,6 +44,7 @@ PARAM_RULES: dict[str, str | None] = {
     EXPERT: TENSOR,
     LORA: None,
     CAPTURE: None,
+    LAYERS: None,
 }
 
 ACTIVATION_RULES: dict[str, str | None] = {
@@ -57,6 +59,7 @@ ACTIVATION_RULES: dict[str, str | None] = {
     EXPERT: TENSOR,
     LORA: None,
     CAPTURE: None,
+    LAYERS: None,
 }
 
 Axes = Sequence[str | None]

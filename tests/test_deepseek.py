@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import eagle3jax
 from eagle3jax.capture import CaptureSpec
+from eagle3jax.stack import layer_at
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.hf_deepseek import dequantize_fp8
 from eagle3jax.rope import RopeConfig
@@ -74,7 +75,7 @@ def test_correction_bias_changes_routing(tmp_path):
   """The parity checkpoint's bias is large enough that selection differs without it."""
   dm.make_checkpoint(str(tmp_path))
   target = eagle3jax.load_target(str(tmp_path), dtype=jnp.float32)
-  moe = target.layers[1].mlp
+  moe = layer_at(target.moe_layers, 0).mlp  # global layer 1
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 16, 48)), jnp.float32)
   with_bias = np.asarray(moe.routing(x)) > 0
   moe.e_score_correction_bias[...] = jnp.zeros_like(moe.e_score_correction_bias[...])
@@ -141,10 +142,10 @@ def test_fp8_checkpoint_dequantises_on_load(tmp_path):
   q = tensors["model.layers.1.self_attn.kv_b_proj.weight"].float().numpy()
   s = tensors["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"].numpy()
   want = (q * s[0, 0]).T.reshape(32, 4, 22)
-  np.testing.assert_allclose(np.asarray(fp8.layers[1].self_attn.kv_b_proj[...]), want,
+  np.testing.assert_allclose(np.asarray(fp8.moe_layers.self_attn.kv_b_proj[...][0]), want,
                              rtol=1e-6)
-  w_ref = np.asarray(ref.layers[1].mlp.gate_proj[...])
-  w_fp8 = np.asarray(fp8.layers[1].mlp.gate_proj[...])
+  w_ref = np.asarray(ref.moe_layers.mlp.gate_proj[...][0])
+  w_fp8 = np.asarray(fp8.moe_layers.mlp.gate_proj[...][0])
   assert np.abs(w_fp8 - w_ref).max() <= 2.0 ** -4 * np.abs(w_ref).max()
   # The FP8 model is exactly the dequantised model (torch, from a float32 copy) ...
   ids = np.random.default_rng(1).integers(0, dm.VOCAB, (2, 24))
@@ -162,8 +163,8 @@ def test_fp8_checkpoint_dequantises_on_load(tmp_path):
   assert rel < 0.25
   # bf16 requested: still dequantised (not reinterpreted).
   bf = eagle3jax.load_target(str(tmp_path / "fp8"), dtype=jnp.bfloat16)
-  assert bf.layers[1].self_attn.kv_b_proj[...].dtype == jnp.bfloat16
-  assert bf.layers[1].mlp.gate[...].dtype == jnp.float32  # the router stays float32
+  assert bf.moe_layers.self_attn.kv_b_proj[...].dtype == jnp.bfloat16
+  assert bf.moe_layers.mlp.gate[...].dtype == jnp.float32  # the router stays float32
 
 
 # --- sharding ---
@@ -179,14 +180,14 @@ def reference():
 def test_sharded_equals_unsharded(reference, mesh_shape):
   ids, ref = reference
   model = eagle3jax.init_deepseek(CFG, mesh=eagle3jax.make_mesh(*mesh_shape), seed=7, std=0.1)
-  attn = model.layers[1].self_attn
-  assert attn.q_b_proj[...].sharding.spec == P(None, "tensor", None)
-  assert attn.kv_b_proj[...].sharding.spec == P(None, "tensor", None)
-  assert attn.o_proj[...].sharding.spec == P("tensor", None, None)
+  attn = model.moe_layers.self_attn  # stacked [L, ...]: the layer axis is never sharded
+  assert attn.q_b_proj[...].sharding.spec == P(None, None, "tensor", None)
+  assert attn.kv_b_proj[...].sharding.spec == P(None, None, "tensor", None)
+  assert attn.o_proj[...].sharding.spec == P(None, "tensor", None, None)
   for name in ("q_a_proj", "kv_a_proj_with_mqa"):
-    assert getattr(attn, name)[...].sharding.spec == P(None, None)
-  assert attn.kv_a_layernorm.weight[...].sharding.spec == P(None)
-  assert model.layers[1].mlp.gate_proj[...].sharding.spec == P("tensor", None, None)
+    assert getattr(attn, name)[...].sharding.spec == P(None, None, None)
+  assert attn.kv_a_layernorm.weight[...].sharding.spec == P(None, None)
+  assert model.moe_layers.mlp.gate_proj[...].sharding.spec == P(None, "tensor", None, None)
   out = eagle3jax.forward(model, ids, capture=CAPTURE)
   assert out.aux_hidden.sharding.spec == P("data", None, None)
   np.testing.assert_allclose(np.asarray(out.logits), np.asarray(ref.logits), atol=1e-5)
@@ -197,7 +198,7 @@ def test_expert_parameters_split_over_devices():
   cfg = DeepseekConfig.tiny(n_routed_experts=16, n_group=4, topk_group=2)
   model = eagle3jax.init_deepseek(cfg, mesh=eagle3jax.make_mesh(1, 8))
   per_device, total = {}, 0
-  for layer in model.layers[cfg.first_k_dense_replace:]:
+  for layer in [model.moe_layers]:
     for name in ("gate_proj", "up_proj", "down_proj"):
       arr = getattr(layer.mlp, name)[...]
       total += arr.nbytes
@@ -242,8 +243,8 @@ def test_tree_extend_matches_full_forward_of_each_branch():
       j = parent[j]
   with jax.set_mesh(model.mesh):
     cache = model.allocate_cache(1, 32, fill=np.nan)  # never rely on zeroed memory
-  assert cache.k[0].shape == (1, 32, 1, CFG.kv_lora_rank)
-  assert cache.v[0].shape == (1, 32, 1, CFG.qk_rope_head_dim)
+  assert cache.k.shape == (CFG.num_hidden_layers, 1, 32, 1, CFG.kv_lora_rank)
+  assert cache.v.shape == (CFG.num_hidden_layers, 1, 32, 1, CFG.qk_rope_head_dim)
   t = len(prefix)
   _, _, cache = _run(model, jnp.asarray(prefix[None]), jnp.arange(t)[None], cache,
                      jnp.tril(jnp.ones((1, t, t), bool)), capture)
@@ -354,9 +355,12 @@ def test_seed_scenario_on_eight_devices(seed_target):
   one = eagle3jax.forward(seed_target, ids, capture=SEED_IDS)
   eight = eagle3jax.forward(target, ids, capture=SEED_IDS)
   assert eight.aux_hidden.shape == (1, 24, 3 * 64)
+  # 58 layers deep the captures reach |x| ~ 5: float32 reduction order differs by ~3e-6
+  # relative between the meshes.
   np.testing.assert_allclose(np.asarray(eight.aux_hidden), np.asarray(one.aux_hidden),
-                             atol=1e-5)
-  np.testing.assert_allclose(np.asarray(eight.logits), np.asarray(one.logits), atol=1e-5)
+                             atol=1e-5, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(eight.logits), np.asarray(one.logits), atol=1e-5,
+                             rtol=1e-5)
 
 
 def test_kimi_drafter_without_convention(tmp_path, seed_target, caplog):

@@ -43,18 +43,19 @@ def test_shapes_and_sharded_equals_unsharded(reference, mesh_shape):
 def test_weights_are_sharded_per_rules():
   mesh = eagle3jax.make_mesh(1, 8)
   model = eagle3jax.init_target(CFG, mesh=mesh)
-  attn = model.layers[0].self_attn
-  assert attn.q_proj[...].sharding.spec == P(None, "tensor", None)
+  # Layers are stacked [L, ...] (unsharded L) and scanned over.
+  attn = model.layers.self_attn
+  assert attn.q_proj[...].sharding.spec == P(None, None, "tensor", None)
   # 2 KV heads on 8 ranks: replicated 4x so each rank owns one whole KV head.
   assert model.kv_repeat == 4
-  assert attn.k_proj[...].shape == (56, 8, 14)
-  assert attn.k_proj[...].sharding.spec == P(None, "tensor", None)
-  assert attn.o_proj[...].sharding.spec == P("tensor", None, None)
-  assert model.layers[0].mlp.down_proj[...].sharding.spec == P("tensor", None)
+  assert attn.k_proj[...].shape == (CFG.num_hidden_layers, 56, 8, 14)
+  assert attn.k_proj[...].sharding.spec == P(None, None, "tensor", None)
+  assert attn.o_proj[...].sharding.spec == P(None, "tensor", None, None)
+  assert model.layers.mlp.down_proj[...].sharding.spec == P(None, "tensor", None)
   # vocab 127 is not divisible by 8: the embedding is replicated rather than failing.
   assert model.embed_tokens[...].sharding.spec == P(None, None)
   shard_shape = attn.q_proj[...].addressable_shards[0].data.shape
-  assert shard_shape == (56, 1, 14)
+  assert shard_shape == (CFG.num_hidden_layers, 56, 1, 14)
 
 
 def test_kv_head_replication_rule():

@@ -105,7 +105,7 @@ def test_kv_commit_moves_accepted_path_contiguously():
   k = np.full((1, s, 1, 1), np.nan, np.float32)
   k[0, :3, 0, 0] = [100, 101, 102]
   k[0, 3:8, 0, 0] = [0, 1, 2, 3, 4]       # node i's key is i
-  cache = KVCache((jnp.asarray(k),), (jnp.asarray(k * 2),), jnp.array([3]))
+  cache = KVCache(jnp.asarray(k)[None], jnp.asarray(k * 2)[None], jnp.array([3]))
   path = jnp.array([[0, 2, 4]])            # root -> b -> e
   out = engine._commit_cache(cache, path, jnp.array([6]))
   np.testing.assert_array_equal(np.asarray(out.k[0])[0, :6, 0, 0], [100, 101, 102, 0, 2, 4])

@@ -1,0 +1,125 @@
+"""Decoder layers stacked ``[L, ...]`` and run as a ``lax.scan``.
+
+A target's layers are one module whose every parameter carries a leading ``LAYERS`` axis
+(``stack_layers``), so a compiled forward holds one copy of the layer's program whatever the
+depth: compiling a 61-layer target costs about what a 6-layer one does. Captures stay static:
+``segments`` splits ``[0, L)`` after every captured layer (and at the boundaries between
+stacks, e.g. DeepSeek's dense and MoE layers), each segment is one scan, and each capture falls
+out between two segments, where it goes through ``CaptureSpec.annotate`` as before.
+
+Each scan step slices layer ``i`` out of the stacked parameters by index (the whole stack is
+the scan's constant, never copied per segment) and reads/writes layer ``i`` of the stacked
+KV cache (``eagle3jax.kv_cache``) in place.
+
+Parameters of a stack record ``layer_offset``, the global index of its first layer, so that
+loaders (``eagle3jax.params.materialize``) ask for layer ``offset + l`` by its per-layer name
+``layers.{offset + l}.<path>``, as checkpoints name them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from eagle3jax.sharding import LAYERS
+
+
+_UNROLL = [False]
+
+
+@contextlib.contextmanager
+def unrolled():
+  """Traces layer scans fully unrolled (for ``cost_analysis``, which counts a loop body once;
+  ``eagle3jax.plan`` uses it on shallow variants of a model). Serving never unrolls."""
+  _UNROLL.append(True)
+  try:
+    yield
+  finally:
+    _UNROLL.pop()
+
+
+def stack_layers(factory: Callable[[], nnx.Module], count: int, offset: int = 0) -> nnx.Module:
+  """``factory()`` with every variable grown to ``[count, ...]`` (logical axis ``LAYERS``).
+
+  Called inside ``nnx.eval_shape`` (models are built abstractly, then filled); ``offset`` is the
+  global index of the stack's first layer.
+  """
+  if count < 1:
+    raise ValueError(f"a layer stack needs at least one layer; got {count}")
+  graphdef, state = nnx.split(factory())
+
+  def grow(var):
+    value = var.get_value()
+    meta = var.get_metadata()
+    return var.replace(jnp.zeros((count,) + tuple(value.shape), value.dtype),
+                       axes=(LAYERS,) + tuple(meta.get("axes") or (None,) * value.ndim),
+                       layer_offset=offset)
+
+  state = jax.tree.map(grow, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return nnx.merge(graphdef, state)
+
+
+def stack_size(stack: nnx.Module) -> int:
+  """Number of layers in a stack built by ``stack_layers``."""
+  return jax.tree.leaves(nnx.state(stack))[0].shape[0]
+
+
+def layer_at(stack: nnx.Module, i) -> nnx.Module:
+  """Layer ``i`` (static or traced index) of a stack, as an ordinary layer module."""
+  graphdef, state = nnx.split(stack)
+  return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
+
+
+def segments(bounds: Sequence[tuple[int, int]], cuts: Sequence[int]) -> list[tuple[int, int, int]]:
+  """Splits stacks into scan segments.
+
+  Args:
+    bounds: ``[(start, end)]`` global layer ranges of the stacks, in order.
+    cuts: layer ids after which the forward must stop (captured layers).
+
+  Returns:
+    ``[(stack_index, start, end)]`` covering every layer once, in order, each ending at a cut,
+    at a stack boundary or at the last layer.
+  """
+  out = []
+  for s, (lo, hi) in enumerate(bounds):
+    edges = sorted({lo, hi} | {c + 1 for c in cuts if lo <= c < hi - 1})
+    out += [(s, a, b) for a, b in zip(edges[:-1], edges[1:])]
+  return out
+
+
+def scan_layers(stack: nnx.Module, offset: int, start: int, end: int, x: jax.Array,
+                cache_kv, step: Callable):
+  """Runs global layers ``[start, end)`` of ``stack`` (whose first layer is ``offset``).
+
+  Args:
+    stack: a module from ``stack_layers``.
+    offset: global index of the stack's first layer.
+    start, end: the global layer range of this segment.
+    x: ``[B, T, D]`` hidden states entering layer ``start``.
+    cache_kv: ``(k, v)`` stacked caches ``[L, ...]`` indexed by global layer, or None.
+    step: ``step(layer, x, k_buf, v_buf) -> (x, k_buf, v_buf)`` for one layer (buffers None
+      without a cache).
+
+  Returns:
+    ``(x, cache_kv)`` after the segment.
+  """
+  graphdef, state = nnx.split(stack)
+
+  def body(carry, g):
+    x, kv = carry
+    layer = nnx.merge(graphdef, jax.tree.map(lambda w: w[g - offset], state))
+    if kv is None:
+      x, _, _ = step(layer, x, None, None)
+      return (x, None), None
+    k_all, v_all = kv
+    x, k_buf, v_buf = step(layer, x, k_all[g], v_all[g])
+    return (x, (k_all.at[g].set(k_buf), v_all.at[g].set(v_buf))), None
+
+  (x, cache_kv), _ = jax.lax.scan(body, (x, cache_kv), jnp.arange(start, end, dtype=jnp.int32),
+                                  unroll=_UNROLL[-1])
+  return x, cache_kv

@@ -1,0 +1,47 @@
+"""Stacked layers run as scans: segments at the captures, layer slicing, and a compiled program
+whose size does not grow with depth."""
+
+import jax.numpy as jnp
+import numpy as np
+
+import eagle3jax
+from eagle3jax import bench_compile
+from eagle3jax.stack import layer_at, segments, stack_size
+
+
+def test_segments_split_after_captures_and_at_stack_boundaries():
+  # One stack of 12 layers, captures after layers 1, 5 and 8 (and -1, which is no cut).
+  assert segments([(0, 12)], [1, 5, 8]) == [(0, 0, 2), (0, 2, 6), (0, 6, 9), (0, 9, 12)]
+  # A capture of the last layer adds no empty segment; no captures: one segment.
+  assert segments([(0, 12)], [11]) == [(0, 0, 12)]
+  assert segments([(0, 12)], []) == [(0, 0, 12)]
+  # DeepSeek: 3 dense layers then 58 MoE layers, captures [2, 30, 58].
+  assert segments([(0, 3), (3, 61)], [2, 30, 58]) == [
+      (0, 0, 3), (1, 3, 31), (1, 31, 59), (1, 59, 61)]
+
+
+def test_layer_at_is_the_per_layer_slice():
+  model = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=3), seed=2)
+  assert stack_size(model.layers) == 3
+  layer = layer_at(model.layers, 2)
+  np.testing.assert_array_equal(np.asarray(layer.mlp.up_proj[...]),
+                                np.asarray(model.layers.mlp.up_proj[...][2]))
+
+
+def test_random_layers_differ_and_are_seeded_per_layer():
+  a = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=3), seed=2)
+  w = np.asarray(a.layers.self_attn.q_proj[...])
+  assert not np.allclose(w[0], w[1])
+
+
+def _program_sizes(num_layers):
+  progs = bench_compile.lowered_programs(num_layers, prompt_len=16, max_len=64)
+  return {k: len(v.as_text()) for k, v in progs.items()}
+
+
+def test_compiled_program_does_not_grow_with_depth():
+  """The lowered forward (with captures), prefill and decode loop of an 8-layer and a 40-layer
+  target have the same size: one copy of the layer, whatever the depth."""
+  small, deep = _program_sizes(8), _program_sizes(40)
+  for name in small:
+    assert deep[name] < 1.02 * small[name], (name, small[name], deep[name])
