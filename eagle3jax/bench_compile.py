@@ -1,0 +1,105 @@
+"""Compile time against depth: the stacked-layer scan keeps the compiled program one layer
+long, so compiling a deep target costs about what a shallow one does.
+
+``compile_scaling`` builds random Llama targets of several depths (same width), then lowers
+and compiles, for each, the two programs serving runs: the full-sequence forward with
+captures (``eagle3jax.forward``'s jitted function) and the engine's speculative decode loop
+(prefill + rounds, as ``generate`` compiles them). Depths are measured alternately, several
+times, and the median compile times and their ratio to the shallowest depth are reported.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from eagle3jax import api, engine as eng
+from eagle3jax.capture import CaptureSpec
+from eagle3jax.config import LlamaConfig
+from eagle3jax.drafter import DrafterConfig
+from eagle3jax.drafter_io import init_drafter
+from eagle3jax.hf_target import init_target
+from eagle3jax.sampling import SamplingParams
+from eagle3jax.sharding import BATCH, SEQ, shard
+from eagle3jax.tree import TreeShape
+
+
+def _models(num_layers: int, mesh):
+  cfg = LlamaConfig.tiny(num_hidden_layers=num_layers, hidden_size=128, intermediate_size=256,
+                         num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
+  target = init_target(cfg, mesh=mesh)
+  capture = CaptureSpec((1, num_layers // 2 - 1, num_layers - 4))
+  drafter = init_drafter(DrafterConfig.for_target(cfg, capture), target=target)
+  return target, drafter, capture
+
+
+def lowered_programs(num_layers: int, mesh=None, *, batch: int = 1, prompt_len: int = 32,
+                     max_len: int = 128):
+  """``{"forward": Lowered, "prefill": Lowered, "decode": Lowered}`` for a random target of
+  ``num_layers`` layers (chain of 7 drafts)."""
+  target, drafter, capture = _models(num_layers, mesh)
+  tokens = jnp.zeros((batch, prompt_len), jnp.int32)
+  spec = eng.EngineSpec(tree=TreeShape(7, 1, 8), sampling=SamplingParams(greedy=True, top_k=0),
+                        capture=capture)
+  out = {}
+  with jax.set_mesh(target.mesh):
+    g1, s1 = nnx.split(target)
+    out["forward"] = api._forward.lower(g1, s1, tokens, capture)
+    graphdef, params = nnx.split((target, drafter))
+    tokens_d = shard(tokens, (BATCH, SEQ))
+    lengths = shard(jnp.full((batch,), prompt_len, jnp.int32), (BATCH,))
+    keys = shard(jnp.zeros((batch, 2), jnp.uint32), (BATCH, None))
+    dyn = eng.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
+                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(16))
+    out["prefill"] = eng._prefill_jit.lower(graphdef, params, tokens_d, lengths, keys, dyn,
+                                            spec=spec, max_len=max_len, out_size=24)
+    st = jax.eval_shape(lambda: eng._prefill_jit(graphdef, params, tokens_d, lengths, keys, dyn,
+                                                 spec=spec, max_len=max_len, out_size=24))
+    out["decode"] = eng._decode_jit.lower(graphdef, params, st, dyn, jnp.int32(16), spec=spec)
+  return out
+
+
+def compile_scaling(depths=(6, 48), repeats: int = 3, mesh=None, log=print) -> dict:
+  """Median compile seconds per depth for the forward and the decode loop (prefill + rounds),
+  and each depth's ratio to the first depth."""
+  times = {d: {"forward": [], "decode": []} for d in depths}
+  for r in range(repeats):
+    for d in depths:
+      progs = lowered_programs(d, mesh)
+      t0 = time.perf_counter()
+      progs["forward"].compile()
+      t1 = time.perf_counter()
+      progs["prefill"].compile()
+      progs["decode"].compile()
+      t2 = time.perf_counter()
+      times[d]["forward"].append(t1 - t0)
+      times[d]["decode"].append(t2 - t1)
+      log(f"repeat {r}: {d} layers: forward {t1 - t0:.2f} s, decode loop {t2 - t1:.2f} s")
+  rows = []
+  base = depths[0]
+  for d in depths:
+    row = {"layers": d}
+    for k in ("forward", "decode"):
+      row[k + "_s"] = statistics.median(times[d][k])
+      row[k + "_range_s"] = [min(times[d][k]), max(times[d][k])]
+      row[k + "_ratio"] = statistics.median(
+          np.asarray(times[d][k]) / np.asarray(times[base][k]))
+    rows.append(row)
+  return {"depths": list(depths), "repeats": repeats, "rows": rows}
+
+
+def markdown(result: dict) -> str:
+  lines = ["| layers | forward compile s (range) | ratio | decode-loop compile s (range) | "
+           "ratio |", "|---|---|---|---|---|"]
+  for r in result["rows"]:
+    lines.append(
+        f"| {r['layers']} | {r['forward_s']:.2f} ({r['forward_range_s'][0]:.2f}-"
+        f"{r['forward_range_s'][1]:.2f}) | {r['forward_ratio']:.2f}x | {r['decode_s']:.2f} "
+        f"({r['decode_range_s'][0]:.2f}-{r['decode_range_s'][1]:.2f}) | "
+        f"{r['decode_ratio']:.2f}x |")
+  return "\n".join(lines)

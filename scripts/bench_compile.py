@@ -1,0 +1,29 @@
+#!/usr/bin/env python3
+"""Compile time against target depth (forward with captures, speculative decode loop)."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle3jax.bench_compile import compile_scaling, markdown  # noqa: E402
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--depths", default="6,48", help="comma-separated layer counts")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--json", default=None, help="also write the result here")
+  args = p.parse_args()
+  result = compile_scaling(tuple(int(d) for d in args.depths.split(",")), args.repeats)
+  print(markdown(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Size a deployment on paper: compile the real model's serving programs without its weights.
+
+Example: python scripts/plan.py --config configs/kimi-k2.5.json \
+    --drafter-config configs/kimi-k2.5-eagle3.json --mesh 1,8 --batch 1 --context 32768
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--config", required=True, help="a Hugging Face config.json as published")
+  p.add_argument("--drafter-config", default=None, help="an EAGLE-3 drafter config.json")
+  p.add_argument("--mesh", default="1,8", help="DATA,TENSOR")
+  p.add_argument("--device", default="h200", choices=("h200", "h100"))
+  p.add_argument("--hbm-gib", type=float, default=None, help="default: the device's")
+  p.add_argument("--batch", type=int, default=1)
+  p.add_argument("--context", type=int, default=32768, help="cache length")
+  p.add_argument("--prompt-len", type=int, default=2048, help="prefill length compiled")
+  p.add_argument("--quantization", default="keep", choices=("keep", "dequantize"))
+  p.add_argument("--steps", type=int, default=7)
+  p.add_argument("--topk", type=int, default=1)
+  p.add_argument("--draft-tokens", type=int, default=8)
+  p.add_argument("--no-cost", action="store_true", help="skip the per-round cost fit")
+  p.add_argument("--json", action="store_true", help="print one JSON object")
+  args = p.parse_args()
+  try:
+    data, tensor = (int(x) for x in args.mesh.split(","))
+  except ValueError:
+    print(f"plan.py: error: --mesh {args.mesh!r} must be DATA,TENSOR", file=sys.stderr)
+    return 2
+  # Fake CPU devices for the mesh: set before JAX initialises.
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={data * tensor}")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from eagle3jax.plan import markdown, plan  # pylint: disable=import-outside-toplevel
+  try:
+    with open(args.config) as f:
+      hf = json.load(f)
+    drafter = None
+    if args.drafter_config:
+      with open(args.drafter_config) as f:
+        drafter = json.load(f)
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    result = plan(hf, drafter, data=data, tensor=tensor, hbm_gib=args.hbm_gib,
+                  device=args.device, batch=args.batch, context=args.context,
+                  prompt_len=args.prompt_len, quantization=args.quantization,
+                  steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens,
+                  with_cost=not args.no_cost, log=log)
+  except (ValueError, OSError) as e:
+    print(f"plan.py: error: {e}", file=sys.stderr)
+    return 2
+  print(json.dumps(result, indent=1) if args.json else markdown(result))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
