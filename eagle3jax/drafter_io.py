@@ -157,7 +157,9 @@ def _same_embedding(file_table: np.ndarray, target) -> bool:
     return False
   rows = np.random.default_rng(0).choice(table.shape[0], min(EMBED_SAMPLE_ROWS, table.shape[0]),
                                          replace=False)
-  ours = np.asarray(jax.device_get(table[jnp.asarray(np.sort(rows))]), np.float32)
+  with jax.set_mesh(target.mesh):
+    ours = table.at[jnp.asarray(np.sort(rows))].get(out_sharding=jax.sharding.PartitionSpec())
+  ours = np.asarray(jax.device_get(ours), np.float32)
   theirs = np.asarray(file_table[np.sort(rows)], np.float32)
   return bool(np.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * np.abs(ours).max()))
 
