@@ -212,6 +212,31 @@ def _final_norm(target) -> np.ndarray:
   return np.asarray(jax.device_get(target.norm.weight[...]), np.float32)
 
 
+def target_fingerprint(target, seed: int = 0) -> dict:
+  """A small JSON-able identity of a target's weights: sizes, and projections of its final-norm
+  scale and of 8 embedding rows (robust to dtype and mesh; compared by ``same_fingerprint``)."""
+  proj = projection(target.hidden_size, seed)
+  rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
+  with jax.set_mesh(target.mesh):
+    emb = target.embed_tokens[...].at[rows].get(out_sharding=jax.sharding.PartitionSpec())
+  emb = np.asarray(jax.device_get(emb), np.float32)
+  return {"num_layers": target.num_layers, "hidden_size": target.hidden_size,
+          "vocab_size": target.config.vocab_size,
+          "final_norm": np.round(_final_norm(target) @ proj, 6).tolist(),
+          "embedding": np.round(emb @ proj, 6).tolist()}
+
+
+def same_fingerprint(a: dict, b: dict) -> bool:
+  if any(a.get(k) != b.get(k) for k in ("num_layers", "hidden_size", "vocab_size")):
+    return False
+  for key in ("final_norm", "embedding"):
+    x, y = np.asarray(a[key], np.float32), np.asarray(b[key], np.float32)
+    if x.shape != y.shape or np.linalg.norm(x - y) > FEATURE_TOL * max(np.linalg.norm(x),
+                                                                       1e-12):
+      return False
+  return True
+
+
 # --- the record ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)

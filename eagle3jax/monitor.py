@@ -46,3 +46,24 @@ def compare(stats: dict, drafter, num_steps: int, topk: int, num_draft_tokens: i
         f"is probably fed other target features than it was trained on (capture ids, "
         f"convention, target) or the prompts are far from its training data; see README, "
         f"'Capture contract'", AcceptanceWarning, stacklevel=3)
+
+
+DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))
+
+
+def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
+                       max_new_tokens: int = 128, batch_size: int = 8) -> dict[str, float]:
+  """Greedy acceptance length per tree shape on ``prompts`` (held-out data): what the capture
+  record keeps for ``compare``. Keys ``"steps,topk,tokens"``."""
+  from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
+  from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
+  out = {}
+  for steps, topk, tokens in shapes:
+    rounds, accepted = 0, 0.0
+    for i in range(0, len(prompts), batch_size):
+      r = generate(target, drafter, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
+                   num_steps=steps, topk=topk, num_draft_tokens=tokens)
+      rounds += r.stats["rounds"]
+      accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+    out[tree_key(steps, topk, tokens)] = round(accepted / max(rounds, 1), 4)
+  return out
