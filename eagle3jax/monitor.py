@@ -52,7 +52,8 @@ DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))
 
 
 def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
-                       max_new_tokens: int = 128, batch_size: int = 8) -> dict[str, float]:
+                       max_new_tokens: int = 128, batch_size: int = 8,
+                       eos_ids=None) -> dict[str, float]:
   """Greedy acceptance length per tree shape on ``prompts`` (held-out data): what the capture
   record keeps for ``compare``. Keys ``"steps,topk,tokens"``."""
   from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
@@ -62,7 +63,7 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
     rounds, accepted = 0, 0.0
     for i in range(0, len(prompts), batch_size):
       r = generate(target, drafter, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
-                   num_steps=steps, topk=topk, num_draft_tokens=tokens)
+                   num_steps=steps, topk=topk, num_draft_tokens=tokens, eos_ids=eos_ids)
       rounds += r.stats["rounds"]
       accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
     out[tree_key(steps, topk, tokens)] = round(accepted / max(rounds, 1), 4)
