@@ -25,12 +25,14 @@ Tolerance of the record check: features are compared per calibration token after
 Gaussian projection to ``PROJECTION_DIM`` dims; the error of a layer is the median over tokens
 (position 0, the attention sink, excluded) of ``|p_live - p_rec| / |p_rec|``. The check first
 runs one forward capturing only the configured layers and passes when each is within
-``FAST_TOL`` (0.03) of its record; otherwise one forward capturing every layer decides: a
+``FAST_TOL`` (0.05) of its record; otherwise one forward capturing every layer decides: a
 capture matches a layer when its error is at most ``FEATURE_TOL`` (0.2) and within ``1.5x`` of
 the best layer's, and a record whose captures, embedding or final norm match nothing is "not
 trained on this target". Measured on the shipped pair (12 layers): a bf16 target on a 2x4
-mesh against a record taken in fp32 on one device is off by 0.004-0.007; adjacent layers differ
-by 0.07-0.13, layers further apart by more, another target by ~1.
+mesh against a record taken in fp32 on one device is off by 0.004-0.007, the target with every
+layer matrix rounded to symmetric INT4 in groups of 32 (weight-only quantisation) by
+0.029-0.031; adjacent layers differ by 0.07-0.13, layers further apart by more, another target
+by ~1.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ RECORD_VERSION = 1
 CALIBRATION_TOKENS = 32
 PROJECTION_DIM = 16
 FEATURE_TOL = 0.2
-FAST_TOL = 0.03
+FAST_TOL = 0.05
 NEAR_BEST = 1.5
 # The probe refuses a configured reading whose top-1 agreement is below both
 # ``PROBE_RATIO * best`` and ``best - PROBE_MARGIN``.

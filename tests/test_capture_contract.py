@@ -281,3 +281,22 @@ def test_include_embedding_false_leaves_it_out(target, tmp_path):
   assert not os.path.exists(os.path.join(path, contract.RECORD_FILE))  # no target given
   loaded = eagle3jax.load_drafter(path, target=target, verify_capture=False)
   assert loaded.embed_tokens is target.embed_tokens
+
+
+def test_shipped_pair_passes_on_a_weight_only_int4_target():
+  # Every layer matrix of the shipped target rounded to symmetric INT4 in groups of 32 (as a
+  # weight-only quantised checkpoint computes): within the documented tolerance.
+  import jax
+  from flax import nnx
+  from eagle3jax.decode_cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+  tgt = eagle3jax.load_target(DEFAULT_TARGET, dtype=jnp.float32)
+  for path, var in nnx.to_flat_state(nnx.state(tgt.layers, nnx.Param)):
+    if "norm" in ".".join(map(str, path)):
+      continue
+    w = np.asarray(jax.device_get(var.get_value()), np.float32)
+    groups = w.reshape(-1, 32)
+    scale = np.abs(groups).max(-1, keepdims=True) / 7 + 1e-12
+    q = (np.clip(np.round(groups / scale), -8, 7) * scale).reshape(w.shape)
+    var.set_value(jax.device_put(jnp.asarray(q), var.get_value().sharding))
+  dr = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=tgt)
+  assert "capture record verified" in dr.capture_explanation
