@@ -128,7 +128,9 @@ def resolve_capture(hf: dict, num_target_layers: int,
         f"'input', 'output' or 'auto' (measure both) to load_drafter (scripts/decode.py: "
         f"--aux-layer-convention) with the convention the drafter was trained with")
   else:
-    convention = "output" if aux_layer_convention == "auto" else aux_layer_convention
+    convention = aux_layer_convention
+    if convention == "auto":  # a valid reading for now; the record or the probe decides
+      convention = "output" if "output" in readings else "input"
   spec = physical(ids, convention)
   spec.validate(num_target_layers)
   return spec, (f"{IDS_KEY}={ids} read as {convention!r} of layer k: captures the outputs of "
