@@ -154,11 +154,13 @@ def _dequantize_arrays(values, scale, scheme: QuantScheme, n_out: int, dtype):
     q = q.reshape(values.shape[:ax] + (values.shape[ax] * 2,) + values.shape[ax + 1:])
   else:
     q = values
-  n = scale.shape[ax]
-  grouped = q.astype(jnp.float32).reshape(q.shape[:ax] + (n, q.shape[ax] // n)
-                                          + q.shape[ax + 1:])
-  w = grouped * jnp.expand_dims(scale.astype(jnp.float32), ax + 1)
-  return w.reshape(q.shape).astype(dtype)
+  # Each scale repeated over its group (not a [groups, g] split of the weight's in dim, which
+  # a tensor-sharded in dim with fewer groups than shards cannot take under Explicit axes).
+  mesh = jax.sharding.get_abstract_mesh()
+  out_sharding = None if mesh.empty else jax.typeof(q).sharding.spec
+  full = jnp.repeat(scale.astype(jnp.float32), q.shape[ax] // scale.shape[ax], axis=ax,
+                    out_sharding=out_sharding)
+  return (q.astype(jnp.float32) * full).astype(dtype)
 
 
 def dequantize(w, dtype=None):

@@ -35,11 +35,12 @@ _FP8_FIELDS = frozenset({"quant_method", "fmt", "activation_scheme", "weight_blo
 _CT_FIELDS = frozenset({"quant_method", "quantization_status", "format", "config_groups",
                         "ignore", "kv_cache_scheme", "sparsity_config", "transform_config",
                         "global_compression_ratio", "version", "provider"})
-# Weight fields of a config group and the values implemented (None: any value is harmless).
+# Weight fields of a config group and the values implemented (_ANY: harmless whatever it is).
+_ANY = object()
 _CT_WEIGHTS = {"num_bits": 4, "type": "int", "strategy": "group", "symmetric": True,
                "dynamic": False, "actorder": None, "block_structure": None,
-               "group_size": None, "observer": None, "observer_kwargs": None,
-               "scale_dtype": None, "zp_dtype": None}
+               "group_size": _ANY, "observer": _ANY, "observer_kwargs": _ANY,
+               "scale_dtype": _ANY, "zp_dtype": _ANY}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +154,7 @@ def _compressed_tensors(q) -> QuantizationConfig:
         _refuse(f"{where}.weights.{field}", value, "not implemented")
       continue
     want = _CT_WEIGHTS[field]
-    if want is not None and value != want:
+    if want is not _ANY and value != want:
       _refuse(f"{where}.weights.{field}", value, f"only {want!r}")
   for field in ("num_bits", "type", "strategy", "symmetric"):
     if field not in weights:
