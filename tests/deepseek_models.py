@@ -10,6 +10,8 @@ import numpy as np
 import safetensors.torch
 import torch
 import transformers
+from compressed_tensors.compressors.pack_quantized.helpers import (pack_to_int32,
+                                                                   unpack_from_int32)
 
 # Every path alive: YaRN (factor > 1, mscale == mscale_all_dim != 0, positions past 16),
 # group-limited routing (2 groups, 1 allowed), a shared expert, one dense layer, q_lora.
@@ -184,7 +186,6 @@ def to_kimi_k25_int4_checkpoint(src: str, dst: str, group: int = 32) -> None:
   """Copies DeepSeek-V3 checkpoint ``src`` to ``dst`` as Kimi-K2.5 publishes it: routed experts
   INT4 (packed with compressed-tensors' own ``pack_to_int32``), the rest as stored, text
   weights under ``language_model.``, a vision tensor, a ``kimi_k25`` config wrapper."""
-  from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # pylint: disable=import-outside-toplevel
   os.makedirs(dst, exist_ok=True)
   tensors = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
   out = {"vision_tower.patch_embed.proj.weight": torch.ones(4, 3),
@@ -213,7 +214,6 @@ def to_kimi_k25_int4_checkpoint(src: str, dst: str, group: int = 32) -> None:
 def int4_dequantized_copy(src: str, dst: str) -> None:
   """Writes Kimi-K2.5-style INT4 checkpoint ``src`` as a plain float32 DeepSeek-V3 checkpoint
   (unpacked with compressed-tensors' ``unpack_from_int32``, times the scales)."""
-  from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32  # pylint: disable=import-outside-toplevel
   os.makedirs(dst, exist_ok=True)
   tensors = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
   with open(os.path.join(src, "config.json")) as f:

@@ -10,6 +10,7 @@ compiled forward never holds a dequantized whole layer stack.
 import json
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ from flax import nnx
 import eagle3jax
 from eagle3jax import api, quant, quant_io
 from eagle3jax.capture import CaptureSpec
+from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.hf_target import check_hf_config, read_config, target_factory
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
@@ -209,13 +211,8 @@ def _ct(**changes):
                               "weight_block_size": [128, 128]}}, "activation_scheme='static'"),
 ])
 def test_unsupported_quantization_is_refused_naming_the_field(hf, field):
-  with pytest.raises(ValueError, match=r"quantization_config\..*" + _escape(field)):
+  with pytest.raises(ValueError, match=r"quantization_config\..*" + re.escape(field)):
     QuantizationConfig.from_hf(hf)
-
-
-def _escape(s):
-  import re  # pylint: disable=import-outside-toplevel
-  return re.escape(s)
 
 
 def test_no_quantization_config_is_none_and_ignore_matches_both_names():
@@ -262,6 +259,8 @@ def test_keep_equals_dequantize_and_transformers(checkpoints, fmt, caplog):
   assert not isinstance(keep.lm_head, quant.QuantizedParam)
   deq = eagle3jax.load_target(path, dtype=jnp.float32, quantization="dequantize")
   assert not isinstance(deq.moe_layers.mlp.gate_proj, quant.QuantizedParam)
+  assert quant.dequantized_nbytes(keep, jnp.float32) == quant.nbytes(deq)
+  assert quant.nbytes(keep) < quant.nbytes(deq)
   a = eagle3jax.forward(keep, ids, capture=CAPTURE)
   b = eagle3jax.forward(deq, ids, capture=CAPTURE)
   np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=1e-5, rtol=0)
@@ -312,8 +311,10 @@ def test_resident_bytes(config, limit):
                             kv_lora_rank=32, num_attention_heads=2, qk_nope_head_dim=16,
                             v_head_dim=16, num_hidden_layers=3)
   q = QuantizationConfig.from_hf(_config(config))
-  kept = eagle3jax.init_deepseek(cfg, dtype=jnp.bfloat16, quantization=q)
-  plain = eagle3jax.init_deepseek(cfg, dtype=jnp.bfloat16)
+  schemes = linear_schemes(q, deepseek_table(cfg), cfg.num_hidden_layers)
+  # Abstract models: exactly the arrays materialize places (checked on loaded models above).
+  kept = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, dtype=jnp.bfloat16, schemes=schemes))
+  plain = nnx.eval_shape(lambda: DeepseekForCausalLM(cfg, dtype=jnp.bfloat16))
   ratio = quant.nbytes(kept) / quant.nbytes(plain)
   assert quant.dequantized_nbytes(kept, jnp.bfloat16) == quant.nbytes(plain)
   print(f"{config}: resident bytes kept / dequantized bf16 = {ratio:.3f}")
@@ -325,8 +326,8 @@ def test_resident_bytes(config, limit):
 @pytest.fixture(scope="module")
 def int4_target():
   cfg = DeepseekConfig.tiny(num_hidden_layers=3, hidden_size=64, moe_intermediate_size=32)
-  return eagle3jax.init_deepseek(cfg, seed=0, std=0.1,
-                                 quantization=QuantizationConfig.from_hf(_config("kimi-k2.5.json")))
+  q = QuantizationConfig.from_hf(_config("kimi-k2.5.json"))
+  return eagle3jax.init_deepseek(cfg, seed=0, std=0.1, quantization=q)
 
 
 def test_greedy_speculative_on_quantized_target_is_lossless(int4_target):
@@ -353,10 +354,11 @@ def test_compiled_forward_never_dequantizes_a_whole_stack(int4_target):
   tokens = jnp.zeros((1, 8), jnp.int32)
   with jax.set_mesh(int4_target.mesh):
     hlo = api._forward.lower(graphdef, state, tokens, None).compile().as_text()
-  w = int4_target.moe_layers.mlp.gate_proj
-  stacked, layer = w.shape, w.shape[1:]
-  assert stacked[0] == 2
-  shape = lambda s: "[" + ",".join(map(str, s)) + "]"  # pylint: disable=unnecessary-lambda-assignment
-  assert f"f32{shape(layer)}" in hlo
-  for dt in ("f32", "bf16"):
-    assert f"{dt}{shape(stacked)}" not in hlo
+  dims = lambda s: "[" + ",".join(map(str, s)) + "]"  # pylint: disable=unnecessary-lambda-assignment
+  stacked = [sub.shape for _, sub in nnx.iter_graph(int4_target)
+             if isinstance(sub, quant.QuantizedParam)]
+  assert len(stacked) == 3 and all(s[0] == 2 for s in stacked)  # the MoE stack's experts
+  for shape in stacked:
+    assert f"f32{dims(shape[1:])}" in hlo  # one layer's experts, dequantized
+    for dt in ("f32", "bf16"):
+      assert f"{dt}{dims(shape)}" not in hlo
