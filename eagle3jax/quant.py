@@ -174,15 +174,33 @@ def dequantize(w, dtype=None):
   return w if dtype is None else w.astype(dtype)
 
 
-def take(w, ids, axis: int = 0, dtype=None):
+def take(w, ids, axis: int = 0, dtype=None, out_sharding=None):
   """Rows ``ids`` of a weight along a lead ``axis`` (e.g. the used experts of ``[E, D, F]``),
-  dequantized after the gather, so that only those rows are ever dequantized."""
+  dequantized after the gather, so that only those rows are ever dequantized.
+
+  ``ids`` may have any shape (the result has ``ids.shape`` in place of ``axis``). Under an
+  Explicit mesh the gathered dims take ``out_sharding`` (a ``PartitionSpec`` of the result,
+  applied to values and scales alike); by default the gathered rows are replicated and the
+  other dims keep their sharding.
+  """
   if isinstance(w, QuantizedParam):
-    values = jnp.take(w.values[...], ids, axis=axis)
-    scale = jnp.take(w.scale[...], ids, axis=axis)
+    values = _gather(w.values[...], ids, axis, out_sharding)
+    scale = _gather(w.scale[...], ids, axis, out_sharding)
     return _dequantize_arrays(values, scale, w.scheme, w.n_out,
                               w.dtype if dtype is None else dtype)
-  return dequantize(jnp.take(dequantize(w), ids, axis=axis), dtype)
+  return dequantize(_gather(dequantize(w), ids, axis, out_sharding), dtype)
+
+
+def _gather(x, ids, axis: int, out_sharding):
+  ids = jnp.asarray(ids)
+  index = (slice(None),) * axis + (ids,)
+  if jax.sharding.get_abstract_mesh().empty:
+    return x[index]
+  if out_sharding is None:
+    spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
+    out_sharding = jax.sharding.PartitionSpec(*spec[:axis], *(None,) * ids.ndim,
+                                              *spec[axis + 1:x.ndim])
+  return x.at[index].get(out_sharding=out_sharding)
 
 
 # --- sizes ---

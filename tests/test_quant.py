@@ -29,6 +29,7 @@ from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.hf_target import check_hf_config, read_config, target_factory
+from eagle3jax.params import materialize, random_fill
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.rope import RopeConfig
 from eagle3jax.sharding import param_spec
@@ -122,19 +123,32 @@ def test_fp8_layout_matches_block_reference(in_dims, out_dims, block):
     quant_io.fp8_to_device(q8, np.ones((1, 1), np.float32), scheme, lin)
 
 
+class _Experts(nnx.Module):
+  def __init__(self):
+    scheme = quant.QuantScheme("int4_group", 16)
+    self.q = quant.linear_param((8, 32, 6), ("expert", "embed", None), jnp.float32, n_out=1,
+                                scheme=scheme)
+    self.p = quant.linear_param((8, 32, 6), ("expert", "embed", None), jnp.float32, n_out=1)
+
+
 def test_take_gathers_rows_before_dequantizing():
-  scheme = quant.QuantScheme("int4_group", 16)
-  w = nnx.eval_shape(lambda: quant.QuantizedParam((5, 32, 6), (None, None, None), scheme,
-                                                  n_out=1, dtype=jnp.float32))
-  rng = np.random.default_rng(2)
-  w.values.set_value(jnp.asarray(rng.integers(0, 256, (5, 16, 6)).astype(np.uint8)))
-  w.scale.set_value(jnp.asarray(rng.uniform(0.5, 1, (5, 2, 6)).astype(ml_dtypes.bfloat16)))
-  ids = jnp.array([3, 0, 3])
-  np.testing.assert_array_equal(np.asarray(quant.take(w, ids)),
-                                np.asarray(quant.dequantize(w))[np.asarray(ids)])
-  plain = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
-  np.testing.assert_array_equal(np.asarray(quant.take(plain, ids)), np.asarray(plain)[[3, 0, 3]])
-  assert quant.dequantize(plain, jnp.bfloat16).dtype == jnp.bfloat16
+  """Eagerly on one device and jitted with experts sharded over tensor=8 (2-D ids)."""
+  ids = np.array([[3, 0], [3, 7]])
+  for mesh in (eagle3jax.make_mesh(1, 1), eagle3jax.make_mesh(1, 8)):
+    m = materialize(_Experts, mesh, random_fill(0, 0.1))
+    assert isinstance(m.q, quant.QuantizedParam) and m.q.shape == (8, 32, 6)
+    graphdef, state = nnx.split(m)
+
+    @jax.jit
+    def gather(state, ids):
+      mod = nnx.merge(graphdef, state)  # pylint: disable=cell-var-from-loop
+      return quant.take(mod.q, ids), quant.take(mod.p, ids), quant.dequantize(mod.p)
+
+    with jax.set_mesh(mesh):
+      q, p, full = gather(state, jnp.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(q), np.asarray(m.q[...])[ids])
+    np.testing.assert_array_equal(np.asarray(p), np.asarray(full)[ids])
+  assert quant.dequantize(m.p, jnp.bfloat16).dtype == jnp.bfloat16
 
 
 # --- configs ---
