@@ -9,6 +9,12 @@ weights raise ``ValueError`` with the names. Tensors that are not part of the la
 forward are skipped: rotary buffers, DeepSeek's multi-token-prediction layers
 (``model.layers.{L}.*``), and in a Kimi-K2.5 checkpoint (language model under
 ``language_model.``) the vision tower and projector, named once in a log line.
+
+Quantized checkpoints (``eagle3jax.quant_config``: FP8 blocks, compressed-tensors INT4) are
+placed as stored with ``quantization="keep"``: each quantized module (a layer's experts
+together) is converted to the device layout of ``eagle3jax.quant`` once, its values and scales
+placed one after the other, so at most one layer's host copies exist at a time; with
+``"dequantize"`` they are dequantized on the host.
 """
 
 from __future__ import annotations
