@@ -315,6 +315,25 @@ def test_quantized_weight_stored_plain_is_refused(checkpoints, tmp_path):
     eagle3jax.load_target(str(tmp_path), dtype=jnp.float32)
 
 
+def test_everything_int4_on_a_2x4_mesh_equals_one_device():
+  """No ignore list: attention (groups straddling 10-wide heads), dense MLP, shared experts and
+  the vocab-sharded lm_head are INT4 too; data=2 x tensor=4 equals one device."""
+  qc = QuantizationConfig.from_hf(_ct(ignore=[]))
+  cfg = DeepseekConfig.tiny(num_hidden_layers=2, vocab_size=128)
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+  outs = []
+  for mesh in (eagle3jax.make_mesh(1, 1), eagle3jax.make_mesh(2, 4)):
+    m = eagle3jax.init_deepseek(cfg, mesh=mesh, seed=1, std=0.1, quantization=qc)
+    assert isinstance(m.lm_head, quant.QuantizedParam)
+    assert isinstance(m.dense_layers.self_attn.o_proj, quant.QuantizedParam)
+    outs.append(eagle3jax.forward(m, ids, capture=(-1, 1)))
+  assert tuple(m.lm_head.values[...].sharding.spec) == (None, "tensor")
+  np.testing.assert_allclose(np.asarray(outs[1].logits), np.asarray(outs[0].logits), atol=1e-5,
+                             rtol=0)
+  np.testing.assert_allclose(np.asarray(outs[1].aux_hidden), np.asarray(outs[0].aux_hidden),
+                             atol=1e-5, rtol=0)
+
+
 # --- resident bytes ---
 
 @pytest.mark.parametrize("config,limit", [("kimi-k2.5.json", 0.40), ("deepseek-v3.json", 0.60)])
