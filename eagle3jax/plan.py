@@ -96,7 +96,7 @@ def _drafter_capture(hf: dict, num_layers: int) -> CaptureSpec:
   from eagle3jax.drafter_io import resolve_capture  # pylint: disable=import-outside-toplevel
   eagle = hf.get("eagle_config") or {}
   recorded = eagle.get("aux_layer_convention", hf.get("aux_layer_convention"))
-  spec, _ = resolve_capture(hf, num_layers, None if recorded else "output")
+  spec, _, _ = resolve_capture(hf, num_layers, None if recorded else "output")
   return spec
 
 
