@@ -93,7 +93,7 @@ def _per_device_bytes(tree) -> int:
 def _drafter_capture(hf: dict, num_layers: int) -> CaptureSpec:
   """The drafter's capture ids; either convention reads the same amount, so ambiguous ids are
   read as outputs (ids clipped to the target's depth when the drafter is for a deeper one)."""
-  from eagle3jax.drafter_io import resolve_capture  # pylint: disable=import-outside-toplevel
+  from eagle3jax.capture_contract import resolve_capture  # pylint: disable=import-outside-toplevel
   eagle = hf.get("eagle_config") or {}
   recorded = eagle.get("aux_layer_convention", hf.get("aux_layer_convention"))
   spec, _, _ = resolve_capture(hf, num_layers, None if recorded else "output")
@@ -109,7 +109,8 @@ def build(hf_cfg: dict, drafter_hf: dict | None, mesh, *, dtype=jnp.bfloat16,
   target = nnx.eval_shape(factory)
   drafter, capture = None, None
   if drafter_hf is not None:
-    from eagle3jax.drafter_io import check_pair, config_from_hf  # pylint: disable=import-outside-toplevel
+    from eagle3jax.capture_contract import check_pair  # pylint: disable=import-outside-toplevel
+    from eagle3jax.drafter_io import config_from_hf  # pylint: disable=import-outside-toplevel
     capture = _drafter_capture(drafter_hf, cfg.num_hidden_layers)
     dcfg = config_from_hf(drafter_hf, capture)
     check_pair(target, dcfg)
