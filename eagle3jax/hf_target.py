@@ -34,7 +34,7 @@ from eagle3jax.params import materialize, random_fill
 from eagle3jax.quant import part_of
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.quant_io import read_dequantized, read_quantized
-from eagle3jax.safetensors_io import SafetensorsDir
+from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR, single_device_mesh
 from eagle3jax import weights as weights_lib
 
@@ -163,6 +163,9 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
         values, scale = read_quantized(tensors, entry, qcfg.scheme, used)
       except ValueError as e:
         raise ValueError(f"checkpoint {path!r}: {e}") from None
+      first = entry.hf_names[0]
+      check_finite(values, first, f"checkpoint {path!r}")
+      check_finite(scale, first.removesuffix(".weight") + " scales", f"checkpoint {path!r}")
       last.clear()
       last[module] = {"values": values, "scale": scale}
     return last[module][part]
@@ -181,6 +184,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
     if out is None or tuple(out.shape) != tuple(shape):
       raise ValueError(f"weight {first!r} has shape {tuple(ws[0].shape)}, which does not fit "
                        f"the config (expected {shape} after the layout change)")
+    check_finite(out, first, f"checkpoint {path!r}")
     return out
 
   model = materialize(factory, mesh, fill, kv_repeat)
