@@ -354,6 +354,24 @@ def test_resident_bytes(config, limit):
   assert ratio <= limit
 
 
+def test_plan_sizes_quantized_weights_as_stored():
+  """plan.py's per-device weight bytes: INT4 experts as packed values plus bf16 scales."""
+  from eagle3jax import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  text = dm.to_published_style(dm.hf_config(layers=3).to_dict())
+  hf = {"model_type": "kimi_k25", "text_config": text, "quantization_config": dm.KIMI_K25_QUANT}
+  mesh = eagle3jax.make_mesh(1, 8)
+  size = {}
+  for mode in ("keep", "dequantize"):
+    _, params, _, _, _ = plan_lib.build(hf, None, mesh, dtype=jnp.bfloat16, quantization=mode)
+    size[mode] = plan_lib._per_device_bytes(params)  # pylint: disable=protected-access
+  d, f, e, moe_layers = text["hidden_size"], text["moe_intermediate_size"], 8, 2
+  # Per expert: gate/up [D, F] grouped along D (g = gcd(32, 48) = 16), down [F, D] along F
+  # (g = gcd(32, 24) = 8); values half a byte each, one bf16 scale per group and out element.
+  kept = 2 * (d * f // 2 + d // 16 * f * 2) + (f * d // 2 + f // 8 * d * 2)
+  saved = moe_layers * (e // 8) * (3 * d * f * 2 - kept)
+  assert size["dequantize"] - size["keep"] == saved
+
+
 # --- decoding and the compiled program ---
 
 @pytest.fixture(scope="module")
