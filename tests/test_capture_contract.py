@@ -297,3 +297,24 @@ def test_shipped_pair_passes_on_a_weight_only_int4_target():
     var.set_value(jax.device_put(jnp.asarray(q), var.get_value().sharding))
   dr = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=tgt)
   assert "capture record verified" in dr.capture_explanation
+
+
+def test_record_from_an_unquantized_target_verifies_on_its_int4_checkpoint(tmp_path):
+  # The same tiny DeepSeek as a float32 checkpoint and as a Kimi-K2.5 INT4 (compressed-tensors)
+  # one, held quantized: its captures move by 0.06-0.10, past the fast path's 0.05, and the
+  # every-layer search still finds each capture at its own layer (neighbours differ by > 0.5).
+  from tests import deepseek_models as dm
+  dm.make_checkpoint(str(tmp_path / "f32"))
+  dm.to_kimi_k25_int4_checkpoint(str(tmp_path / "f32"), str(tmp_path / "int4"))
+  f32 = eagle3jax.load_target(str(tmp_path / "f32"), dtype=jnp.float32)
+  int4 = eagle3jax.load_target(str(tmp_path / "int4"), dtype=jnp.float32)
+  cfg = f32.config
+  dcfg = eagle3jax.DrafterConfig(
+      hidden_size=cfg.hidden_size, intermediate_size=88, num_attention_heads=8,
+      num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
+      capture=eagle3jax.CaptureSpec((0, 1, 2)), rms_norm_eps=cfg.rms_norm_eps,
+      max_position_embeddings=cfg.max_position_embeddings)
+  path = str(tmp_path / "drafter")
+  eagle3jax.save_drafter(eagle3jax.init_drafter(dcfg, target=f32), path, target=f32)
+  dr = eagle3jax.load_drafter(path, target=int4)
+  assert "capture record verified on every layer" in dr.capture_explanation
