@@ -161,5 +161,7 @@ def gumbel_rows(keys: jax.Array, like: jax.Array) -> jax.Array:
   out like ``like [B, V]`` (each device draws only its columns; the values do not depend on
   the layout)."""
   v = like.shape[-1]
-  sharding = None if _mesh() is None else P(vocab_axis(like))
-  return jax.vmap(lambda k: jax.random.gumbel(k, (v,), out_sharding=sharding))(keys)
+  if _mesh() is None:
+    return jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), out_sharding=P(vocab_axis(like))))(keys)
+  return jax.reshard(noise, P(*_spec(like)))
