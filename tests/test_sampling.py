@@ -89,3 +89,6 @@ def test_speculative_sampling_on_tensor8_matches_single_device():
   assert stats["accept_length_mean"] > 1.05
   stat, critical = chi2_homogeneity(ar, spec, 8)
   assert stat < critical, f"chi2={stat:.1f} >= {critical:.1f}"
+  other, _ = _first3(one, None, 0.8, 0.6, seed=11, top_k=5)  # power: another top-p differs
+  stat2, critical2 = chi2_homogeneity(other, spec, 8)
+  assert stat2 > critical2, f"chi2={stat2:.1f} <= {critical2:.1f}"
