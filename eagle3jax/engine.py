@@ -15,6 +15,10 @@ and stop state live in the ``DecodeState`` pytree):
    which replaces the tree K/V with real context and yields the next root output.
 
 ``drafter=None`` runs plain autoregressive decoding through the same target code.
+
+Target and drafter logits stay sharded over the vocabulary (``tensor`` axis) through every step:
+argmax, the tree's top-k, sampling and rejection sampling reduce them shard by shard
+(``eagle3jax.vocab_parallel``); no step gathers a vocabulary row.
 """
 
 from __future__ import annotations
