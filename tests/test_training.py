@@ -129,7 +129,8 @@ def test_trainer_features_equal_transformers_and_engine_captures(target, data, t
   with pytest.raises(AttributeError):
     trainer.capture = eagle3jax.CaptureSpec((0, 1, 2))  # fixed at construction
   tokens = d.tokens
-  aux, logits = trainer.features(tokens)
+  feats = trainer.features(tokens)
+  aux = feats.aux
   # An independent computation: transformers' Llama on the exported weights; capture i is
   # hidden_states[i + 1] (none of (1, 3, 6) is the last of 8 layers, which HF normalises).
   save_target(target, str(tmp_path / "hf"), dtype=np.float32)
@@ -144,8 +145,15 @@ def test_trainer_features_equal_transformers_and_engine_captures(target, data, t
   for i, got in zip(CAPTURE.layer_ids, ours):
     errors = [np.linalg.norm(got - h) / np.linalg.norm(h) for h in hs[:-1]]
     assert errors[i + 1] < 1e-4 and int(np.argmin(errors)) == i + 1, (i, errors)
-  ref_logits = out.logits.numpy()
-  assert np.linalg.norm(np.asarray(logits) - ref_logits) < 1e-4 * np.linalg.norm(ref_logits)
+  # The logits reduced inside the forward's jit: the draft vocabulary's columns (exactly
+  # eagle3jax.forward's, and transformers' within 1e-4) and the full-vocabulary argmax.
+  ids = np.arange(DRAFT_VOCAB) + np.asarray(trainer.drafter.d2t[...])
+  ours_full = np.asarray(eagle3jax.forward(target, tokens).logits)
+  np.testing.assert_array_equal(np.asarray(feats.draft_logits), ours_full[..., ids])
+  np.testing.assert_array_equal(np.asarray(feats.argmax), ours_full.argmax(-1))
+  ref_logits = out.logits.numpy()[..., ids]
+  assert (np.linalg.norm(np.asarray(feats.draft_logits) - ref_logits)
+          < 1e-4 * np.linalg.norm(ref_logits))
   # The engine's path: prefill the first 13 tokens into a KV cache, extend by the rest.
   b, split = tokens.shape[0], 13
   graphdef, state = nnx.split(target)

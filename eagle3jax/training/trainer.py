@@ -37,8 +37,8 @@ from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
-from eagle3jax.training.data import (DataPosition, TrainingData, build_training_data,
-                                     next_batch, target_features)
+from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
+                                     build_training_data, next_batch, target_features)
 from eagle3jax.training.ttt import ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
@@ -156,11 +156,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("opt_state",))
-def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, aux, logits, tokens,
+def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
                 loss_mask):
   def loss_fn(p):
     drafter = nnx.merge(graphdef, p, rest)
-    return ttt_loss(drafter, aux, logits, tokens, loss_mask, steps=cfg.ttt_steps,
+    return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
                     decay=cfg.step_decay)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -241,6 +241,9 @@ class Trainer:
     self.mesh = target.mesh
     self._identity = _identity(target, drafter)
     self._drafter = drafter
+    # Target ids of the draft vocabulary: the columns of the target's logits the loss reads.
+    self._draft_ids = (np.arange(drafter.config.draft_vocab_size)
+                       + np.asarray(drafter.d2t[...]))
     self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
     with jax.set_mesh(self.mesh):
       self.opt_state = make_optimizer(config).init(self.params)
@@ -263,9 +266,10 @@ class Trainer:
     return self._capture
 
   # --- features and batches ---
-  def features(self, tokens) -> tuple[jax.Array, jax.Array]:
-    """``(aux, target_logits)`` the step trains on for ``tokens [B, T]``."""
-    return target_features(self.target, tokens, self.capture)
+  def features(self, tokens) -> TargetFeatures:
+    """What the step trains on for ``tokens [B, T]``: captures, the target's logits at the
+    draft vocabulary and its argmax (reduced inside the target's jitted forward)."""
+    return target_features(self.target, tokens, self.capture, self._draft_ids)
 
   def _place(self, x: np.ndarray) -> jax.Array:
     spec = activation_spec((BATCH, SEQ), x.shape, self.mesh)
@@ -276,11 +280,11 @@ class Trainer:
     """One optimiser step on the next batch; returns host metrics of that step."""
     cfg = self.config
     tokens, mask, position = next_batch(self.data, self.position, cfg.batch_size, cfg.seed)
-    aux, logits = self.features(tokens)
+    features = self.features(tokens)
     with jax.set_mesh(self.mesh):
       self.params, self.opt_state, loss, metrics = _train_step(
-          self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, aux,
-          logits, self._place(tokens), self._place(mask))
+          self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, features,
+          self._place(tokens), self._place(mask))
     self.step += 1
     self.position = position
     record = {"step": self.step, "loss": float(loss),
