@@ -42,7 +42,27 @@ def parser() -> argparse.ArgumentParser:
                  help="also run autoregressive decoding; report speedup and, for greedy, "
                       "whether the outputs match")
   p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+  add_distributed_flags(p)
   return p
+
+
+def add_distributed_flags(p: argparse.ArgumentParser) -> None:
+  """``--coordinator/--num-processes/--process-id`` (shared with train_drafter.py)."""
+  g = p.add_argument_group("multi-process runs (one process per host; see README, Multi-host)")
+  g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                 help="process 0's address, the same on every process; 'auto' takes the run "
+                      "from a cluster scheduler (SLURM, Open MPI)")
+  g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                 help="number of processes in the run")
+  g.add_argument("--process-id", type=int, default=None, metavar="I",
+                 help="this process's index in [0, N)")
+
+
+def init_distributed(args) -> None:
+  """Joins the multi-process run the flags (or JAX_* environment variables) describe."""
+  from eagle3jax import distributed  # pylint: disable=import-outside-toplevel
+  if distributed.requested(args.coordinator, args.num_processes, args.process_id):
+    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
 def _mesh(text: str):
@@ -73,6 +93,9 @@ def _run(args) -> int:
       hint = (" (the shipped default models are not in this checkout; pass --target and "
               "--drafter)" if path in (DEFAULT_TARGET, DEFAULT_DRAFTER) else "")
       raise ValueError(f"{flag} {path!r} is not a directory{hint}")
+  init_distributed(args)
+  from eagle3jax.distributed import is_main_process  # pylint: disable=import-outside-toplevel
+  main = is_main_process()  # only process 0 prints
   mesh = _mesh(args.mesh)
   dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
   target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype)
@@ -97,6 +120,8 @@ def _run(args) -> int:
   printed = [0]
 
   def stream(tokens):
+    if not main:
+      return
     text = codec.decode(tokens[0]) if codec else " ".join(map(str, tokens[0]))
     sys.stdout.write(text[printed[0]:])
     sys.stdout.flush()
@@ -131,6 +156,8 @@ def _run(args) -> int:
     report["baseline_tokens_per_s"] = max(base_tps)
     report["speedup"] = report["tokens_per_s"] / report["baseline_tokens_per_s"]
     report["matches_baseline"] = (base.tokens[0] == out) if args.temperature == 0 else None
+  if not main:
+    return 0
   if args.json:
     print(json.dumps(report))
     return 0
