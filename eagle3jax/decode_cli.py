@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from eagle3jax.distributed import distributed_flags, initialize_from_flags, is_main_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TARGET = os.path.join(REPO, "models", "default", "target")
 DEFAULT_DRAFTER = os.path.join(REPO, "models", "default", "drafter")
@@ -42,27 +44,8 @@ def parser() -> argparse.ArgumentParser:
                  help="also run autoregressive decoding; report speedup and, for greedy, "
                       "whether the outputs match")
   p.add_argument("--json", action="store_true", help="print exactly one JSON object")
-  add_distributed_flags(p)
+  distributed_flags(p)
   return p
-
-
-def add_distributed_flags(p: argparse.ArgumentParser) -> None:
-  """``--coordinator/--num-processes/--process-id`` (shared with train_drafter.py)."""
-  g = p.add_argument_group("multi-process runs (one process per host; see README, Multi-host)")
-  g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
-                 help="process 0's address, the same on every process; 'auto' takes the run "
-                      "from a cluster scheduler (SLURM, Open MPI)")
-  g.add_argument("--num-processes", type=int, default=None, metavar="N",
-                 help="number of processes in the run")
-  g.add_argument("--process-id", type=int, default=None, metavar="I",
-                 help="this process's index in [0, N)")
-
-
-def init_distributed(args) -> None:
-  """Joins the multi-process run the flags (or JAX_* environment variables) describe."""
-  from eagle3jax import distributed  # pylint: disable=import-outside-toplevel
-  if distributed.requested(args.coordinator, args.num_processes, args.process_id):
-    distributed.initialize(args.coordinator, args.num_processes, args.process_id)
 
 
 def _mesh(text: str):
@@ -93,8 +76,7 @@ def _run(args) -> int:
       hint = (" (the shipped default models are not in this checkout; pass --target and "
               "--drafter)" if path in (DEFAULT_TARGET, DEFAULT_DRAFTER) else "")
       raise ValueError(f"{flag} {path!r} is not a directory{hint}")
-  init_distributed(args)
-  from eagle3jax.distributed import is_main_process  # pylint: disable=import-outside-toplevel
+  initialize_from_flags(args)
   main = is_main_process()  # only process 0 prints
   mesh = _mesh(args.mesh)
   dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16

@@ -16,6 +16,7 @@ live sharded across processes come to every host through ``to_host``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 
@@ -110,6 +111,25 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                        f"({e}); pass --coordinator HOST:PORT --num-processes N --process-id "
                        "I instead") from None
     raise
+
+
+def distributed_flags(p: argparse.ArgumentParser) -> None:
+  """Adds ``--coordinator HOST:PORT --num-processes N --process-id I`` to a script's flags."""
+  g = p.add_argument_group("multi-process runs (one process per host; README: Multi-host)")
+  g.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                 help="process 0's address, the same on every process; 'auto' takes the run "
+                      "from a cluster scheduler (SLURM, Open MPI)")
+  g.add_argument("--num-processes", type=int, default=None, metavar="N",
+                 help="number of processes in the run")
+  g.add_argument("--process-id", type=int, default=None, metavar="I",
+                 help="this process's index in [0, N)")
+
+
+def initialize_from_flags(args: argparse.Namespace) -> None:
+  """``initialize`` with the ``distributed_flags``, when they or the environment ask for a
+  multi-process run (otherwise nothing: a single-process run)."""
+  if requested(args.coordinator, args.num_processes, args.process_id):
+    initialize(args.coordinator, args.num_processes, args.process_id)
 
 
 def process_index() -> int:

@@ -29,6 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from eagle3jax.capture import CaptureSpec
+from eagle3jax.distributed import barrier, is_main_process, to_host
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.hf_target import read_config
 from eagle3jax.params import materialize, random_fill
@@ -247,17 +248,18 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
 
 
 def _host(x) -> np.ndarray:
-  return np.asarray(jax.device_get(x))
+  return to_host(x)
 
 
 def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout.
 
   The capture ids are recorded in the project convention with ``aux_layer_convention:
-  "output"``, so ``load_drafter(path, target=...)`` needs no convention argument.
+  "output"``, so ``load_drafter(path, target=...)`` needs no convention argument. In a
+  multi-process run every process calls it (the parameters are gathered collectively) and
+  process 0 writes the files.
   """
   cfg = drafter.config
-  os.makedirs(path, exist_ok=True)
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
   r = drafter.kv_repeat
@@ -288,6 +290,10 @@ def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
   if drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
   tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
+  if not is_main_process():
+    barrier("eagle3jax.save_drafter")
+    return
+  os.makedirs(path, exist_ok=True)
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
   hf = {
       "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
@@ -308,6 +314,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
   }
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
+  barrier("eagle3jax.save_drafter")
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))
