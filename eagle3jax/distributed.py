@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 import jax
 import numpy as np
@@ -127,9 +128,23 @@ def distributed_flags(p: argparse.ArgumentParser) -> None:
 
 def initialize_from_flags(args: argparse.Namespace) -> None:
   """``initialize`` with the ``distributed_flags``, when they or the environment ask for a
-  multi-process run (otherwise nothing: a single-process run)."""
+  multi-process run (otherwise nothing: a single-process run).
+
+  For scripts: the collectives library prints connection notes (``[Gloo] Rank 0 is connected
+  ...``) on the process's standard output; they are sent to stderr, so that stdout carries
+  only what the script prints (``--json``: exactly one JSON object).
+  """
   if requested(args.coordinator, args.num_processes, args.process_id):
     initialize(args.coordinator, args.num_processes, args.process_id)
+    _native_stdout_to_stderr()
+
+
+def _native_stdout_to_stderr() -> None:
+  """Points file descriptor 1 at stderr and ``sys.stdout`` at the original stdout."""
+  sys.stdout.flush()
+  original = os.dup(1)
+  os.dup2(2, 1)
+  sys.stdout = os.fdopen(original, "w", buffering=1)
 
 
 def process_index() -> int:

@@ -1,0 +1,129 @@
+"""Runs across processes: two processes x 4 CPU devices on localhost stand in for two hosts
+(JAX's distributed runtime, gloo collectives), checked against one process with 8 devices."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from eagle3jax import decode_cli
+from tests import hf_models
+from tests.test_training import _script as train_script
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROCESSES = 2
+TIMEOUT_S = 300  # per launch: generous for a loaded 2-core CI machine
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _env() -> dict:
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
+  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             JAX_DEFAULT_MATMUL_PRECISION="highest",  # as tests/conftest.py sets in-process
+             PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+  return env
+
+
+def _start(script: str, argv: list[str]) -> list[subprocess.Popen]:
+  port = _free_port()
+  return [subprocess.Popen(
+      [sys.executable, os.path.join(REPO, "scripts", script), *argv,
+       "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES),
+       "--process-id", str(i)],
+      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+      for i in range(PROCESSES)]
+
+
+def _kill(procs) -> None:
+  for p in procs:
+    if p.poll() is None:
+      p.send_signal(signal.SIGKILL)
+  for p in procs:
+    p.communicate()
+
+
+def _finish(procs) -> list[str]:
+  """Waits for every process (bounded); returns their stdouts; kills all on any failure."""
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    outs = []
+    for i, p in enumerate(procs):
+      out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+      assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-3000:]}"
+      outs.append(out)
+    return outs
+  except subprocess.TimeoutExpired:
+    pytest.fail(f"the processes did not finish within {TIMEOUT_S} s")
+  finally:
+    _kill(procs)
+
+
+def test_decode_two_processes_equals_one(capsys):
+  argv = ["--mesh", "1,8", "--json", "--max-new-tokens", "24"]
+  assert decode_cli.run(argv) == 0  # this process: 8 devices (tests/conftest.py)
+  expected = json.loads(capsys.readouterr().out)
+  out0, out1 = _finish(_start("decode.py", argv))
+  got = json.loads(out0)  # process 0 prints exactly one JSON object ...
+  assert out1 == ""  # ... and process 1 nothing
+  assert got["output_ids"] == expected["output_ids"] and len(got["output_ids"]) == 24
+  assert got["accept_length_mean"] == expected["accept_length_mean"]
+
+
+def _read(path: str) -> dict:
+  return safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
+
+
+def test_training_killed_and_resumed_across_processes(tmp_path):
+  target = str(tmp_path / "target")
+  hf_models.make_checkpoint(target, "llama", layers=4)  # 2 KV heads: replicated for tensor=4
+  rng = np.random.default_rng(0)
+  prompts = tmp_path / "prompts.json"
+  prompts.write_text(json.dumps([rng.integers(3, 97, int(rng.integers(3, 8))).tolist()
+                                 for _ in range(6)]))
+  steps = 12
+
+  def argv(out):  # data=2: batches (and regeneration) split across the two processes
+    return ["--target", target, "--out", str(out), "--prompt-ids-file", str(prompts),
+            "--mesh", "2,4", "--capture", "0,1,2", "--total-steps", str(steps),
+            "--warmup-steps", "2", "--checkpoint-every", "3", "--batch-size", "4",
+            "--seq-len", "32", "--ttt-steps", "3", "--max-new-tokens", "16",
+            "--draft-vocab-size", "32", "--learning-rate", "0.003", "--no-progress"]
+
+  # Uninterrupted, in this process (8 devices, the same 2 x 4 mesh).
+  assert train_script().run(argv(tmp_path / "whole")) == 0
+
+  # Two processes, killed (SIGKILL, both) as soon as the first checkpoint is complete.
+  out = tmp_path / "split"
+  first_ckpt = out / "train_state" / "steps" / "3"
+  procs = _start("train_drafter.py", argv(out))
+  deadline = time.monotonic() + TIMEOUT_S
+  try:
+    while not first_ckpt.exists():
+      assert all(p.poll() is None for p in procs), "a process exited before its checkpoint"
+      assert time.monotonic() < deadline, f"no checkpoint within {TIMEOUT_S} s"
+      time.sleep(0.02)
+  finally:
+    _kill(procs)
+  saved = sorted(int(d) for d in os.listdir(out / "train_state" / "steps") if d.isdigit())
+  assert saved[-1] < steps and not (out / "model.safetensors").exists(), (
+      f"the first run got to checkpoints {saved} before it was killed")
+
+  out0, out1 = _finish(_start("train_drafter.py", argv(out)))  # resumes from `saved[-1]`
+  assert f"done: step {steps}" in out0 and out1 == ""
+  whole, split = _read(str(tmp_path / "whole")), _read(str(out))
+  assert sorted(whole) == sorted(split)
+  for name in whole:
+    np.testing.assert_allclose(split[name], whole[name], rtol=1e-5, atol=1e-6, err_msg=name)
