@@ -9,17 +9,71 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-from eagle3jax import decode_cli
+import eagle3jax
+from eagle3jax import decode_cli, distributed, params
+from eagle3jax.sharding import EMBED, HEAD_DIM, KV_HEADS, TENSOR
 from tests import hf_models
 from tests.test_training import _script as train_script
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROCESSES = 2
 TIMEOUT_S = 300  # per launch: generous for a loaded 2-core CI machine
+
+
+class _Recorded(np.ndarray):
+  """An array that records every index it is read with (a stand-in for a memory map)."""
+  reads: list
+
+  def __getitem__(self, idx):
+    self.reads.append(np.asarray(super().__getitem__(idx)).size)
+    return np.asarray(super().__getitem__(idx))
+
+
+def test_each_device_reads_only_its_slice():
+  host = np.arange(4 * 2 * 3, dtype=np.float32).reshape(4, 2, 3).view(_Recorded)
+  host.reads = []
+  mesh = eagle3jax.make_mesh(1, 8)
+  sharding = NamedSharding(mesh, P(None, TENSOR, None))
+  # 2 KV heads replicated 4 times for 8 tensor ranks: each device holds (and reads) one head.
+  arr = params._place(host, "k_proj", (4, 8, 3), (EMBED, KV_HEADS, HEAD_DIM), np.float32,
+                      sharding, 4)
+  np.testing.assert_array_equal(np.asarray(arr), np.repeat(np.asarray(host), 4, axis=1))
+  assert host.reads and all(n == 4 * 3 for n in host.reads)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(num_processes=2, process_id=0), "['coordinator'] not given"),
+    (dict(coordinator="localhost", num_processes=2, process_id=0), "must be HOST:PORT"),
+    (dict(coordinator="localhost:1234", num_processes=2, process_id=2),
+     "process_id=2 must be in [0, num_processes=2)"),
+])
+def test_initialize_refuses_incomplete_runs(kwargs, message, monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
+    monkeypatch.delenv(name, raising=False)
+  with pytest.raises(ValueError) as e:
+    distributed.initialize(**kwargs)
+  assert message in str(e.value)
+
+
+def test_decode_flags_error_is_one_line(monkeypatch, capsys):
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
+  assert decode_cli.run(["--num-processes", "2", "--process-id", "0"]) == 2
+  err = capsys.readouterr().err
+  assert "['coordinator'] not given" in err and len(err.strip().splitlines()) == 1
+
+
+def test_multiprocess_mesh_must_span_every_device(monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match=r"uses 4 devices, but this run has 2 processes with 8 "
+                     r"devices in all .* choose DATA\*TENSOR=8"):
+    eagle3jax.make_mesh(1, 4)
+  assert eagle3jax.make_mesh(2, 4).devices.size == 8
 
 
 def _free_port() -> int:
@@ -72,13 +126,13 @@ def _finish(procs) -> list[str]:
 
 
 def test_decode_two_processes_equals_one(capsys):
-  argv = ["--mesh", "1,8", "--json", "--max-new-tokens", "24"]
+  argv = ["--mesh", "1,8", "--json", "--max-new-tokens", "16"]
   assert decode_cli.run(argv) == 0  # this process: 8 devices (tests/conftest.py)
   expected = json.loads(capsys.readouterr().out)
   out0, out1 = _finish(_start("decode.py", argv))
   got = json.loads(out0)  # process 0 prints exactly one JSON object ...
   assert out1 == ""  # ... and process 1 nothing
-  assert got["output_ids"] == expected["output_ids"] and len(got["output_ids"]) == 24
+  assert got["output_ids"] == expected["output_ids"] and len(got["output_ids"]) == 16
   assert got["accept_length_mean"] == expected["accept_length_mean"]
 
 
@@ -99,7 +153,7 @@ def test_training_killed_and_resumed_across_processes(tmp_path):
     return ["--target", target, "--out", str(out), "--prompt-ids-file", str(prompts),
             "--mesh", "2,4", "--capture", "0,1,2", "--total-steps", str(steps),
             "--warmup-steps", "2", "--checkpoint-every", "3", "--batch-size", "4",
-            "--seq-len", "32", "--ttt-steps", "3", "--max-new-tokens", "16",
+            "--seq-len", "24", "--ttt-steps", "2", "--max-new-tokens", "12",
             "--draft-vocab-size", "32", "--learning-rate", "0.003", "--no-progress"]
 
   # Uninterrupted, in this process (8 devices, the same 2 x 4 mesh).
