@@ -59,7 +59,12 @@ def dequantize_fp8(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int])
 
 def read_dequantized(tensors: SafetensorsDir, name: str, block, used: set) -> np.ndarray:
   """Tensor ``name`` as a host array; float8 weights are dequantised with their
-  ``<name>_scale_inv`` (recorded in ``used``)."""
+  ``<name>_scale_inv`` (recorded in ``used``).
+
+  Other tensors stay lazy memory-map views (each device then reads only its slice, see
+  ``eagle3jax.params``); a float8 tensor is dequantised whole, so every process reads all of
+  it.
+  """
   w = tensors.get(name)
   if w.dtype in _FP8:
     scale_name = name + "_scale_inv"
