@@ -91,14 +91,20 @@ def _env() -> dict:
   return env
 
 
-def _start(script: str, argv: list[str]) -> list[subprocess.Popen]:
+def _start(script: str, argv: list[str], logs) -> list[subprocess.Popen]:
+  """Launches the processes of one run; their stdout/stderr go to files under ``logs``."""
   port = _free_port()
-  return [subprocess.Popen(
-      [sys.executable, os.path.join(REPO, "scripts", script), *argv,
-       "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES),
-       "--process-id", str(i)],
-      cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-      for i in range(PROCESSES)]
+  procs = []
+  for i in range(PROCESSES):
+    out, err = logs / f"{script}.{port}.{i}.out", logs / f"{script}.{port}.{i}.err"
+    with open(out, "w") as fo, open(err, "w") as fe:
+      p = subprocess.Popen(
+          [sys.executable, os.path.join(REPO, "scripts", script), *argv,
+           "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES),
+           "--process-id", str(i)], cwd=REPO, env=_env(), stdout=fo, stderr=fe)
+    p.out, p.err = out, err
+    procs.append(p)
+  return procs
 
 
 def _kill(procs) -> None:
@@ -106,30 +112,34 @@ def _kill(procs) -> None:
     if p.poll() is None:
       p.send_signal(signal.SIGKILL)
   for p in procs:
-    p.communicate()
+    p.wait()
 
 
 def _finish(procs) -> list[str]:
-  """Waits for every process (bounded); returns their stdouts; kills all on any failure."""
+  """Waits for every process (bounded); returns their stdouts. As soon as one fails (or the
+  time is up) all are killed: the others would wait for it at their next collective."""
   deadline = time.monotonic() + TIMEOUT_S
   try:
-    outs = []
+    while any(p.poll() is None for p in procs):
+      for i, p in enumerate(procs):
+        if p.poll() not in (None, 0):
+          pytest.fail(f"process {i} exited with {p.returncode}:\n{p.err.read_text()[-3000:]}")
+      if time.monotonic() > deadline:
+        pytest.fail(f"the processes did not finish within {TIMEOUT_S} s")
+      time.sleep(0.1)
     for i, p in enumerate(procs):
-      out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-      assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n{err[-3000:]}"
-      outs.append(out)
-    return outs
-  except subprocess.TimeoutExpired:
-    pytest.fail(f"the processes did not finish within {TIMEOUT_S} s")
+      assert p.returncode == 0, f"process {i} exited with {p.returncode}:\n" \
+          f"{p.err.read_text()[-3000:]}"
+    return [p.out.read_text() for p in procs]
   finally:
     _kill(procs)
 
 
-def test_decode_two_processes_equals_one(capsys):
+def test_decode_two_processes_equals_one(capsys, tmp_path):
   argv = ["--mesh", "1,8", "--json", "--max-new-tokens", "16"]
   assert decode_cli.run(argv) == 0  # this process: 8 devices (tests/conftest.py)
   expected = json.loads(capsys.readouterr().out)
-  out0, out1 = _finish(_start("decode.py", argv))
+  out0, out1 = _finish(_start("decode.py", argv, tmp_path))
   got = json.loads(out0)  # process 0 prints exactly one JSON object ...
   assert out1 == ""  # ... and process 1 nothing
   assert got["output_ids"] == expected["output_ids"] and len(got["output_ids"]) == 16
@@ -162,7 +172,7 @@ def test_training_killed_and_resumed_across_processes(tmp_path):
   # Two processes, killed (SIGKILL, both) as soon as the first checkpoint is complete.
   out = tmp_path / "split"
   first_ckpt = out / "train_state" / "steps" / "3"
-  procs = _start("train_drafter.py", argv(out))
+  procs = _start("train_drafter.py", argv(out), tmp_path)
   deadline = time.monotonic() + TIMEOUT_S
   try:
     while not first_ckpt.exists():
@@ -175,7 +185,8 @@ def test_training_killed_and_resumed_across_processes(tmp_path):
   assert saved[-1] < steps and not (out / "model.safetensors").exists(), (
       f"the first run got to checkpoints {saved} before it was killed")
 
-  out0, out1 = _finish(_start("train_drafter.py", argv(out)))  # resumes from `saved[-1]`
+  # The same command again resumes from the last checkpoint.
+  out0, out1 = _finish(_start("train_drafter.py", argv(out), tmp_path))
   assert f"done: step {steps}" in out0 and out1 == ""
   whole, split = _read(str(tmp_path / "whole")), _read(str(out))
   assert sorted(whole) == sorted(split)
