@@ -25,7 +25,7 @@ from eagle3jax.config import LlamaConfig
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
 from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
 from eagle3jax.params import materialize, random_fill
-from eagle3jax.safetensors_io import SafetensorsDir
+from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR, single_device_mesh
 from eagle3jax import weights as weights_lib
 
@@ -141,6 +141,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
     if out is None or tuple(out.shape) != tuple(shape):
       raise ValueError(f"weight {first!r} has shape {tuple(ws[0].shape)}, which does not fit "
                        f"the config (expected {shape} after the layout change)")
+    check_finite(out, first, f"checkpoint {path!r}")
     return out
 
   model = materialize(factory, mesh, fill, kv_repeat)

@@ -36,7 +36,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from eagle3jax import capture_contract as contract
 from eagle3jax import distributed
+from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import init_drafter, save_drafter
@@ -191,6 +193,36 @@ def _fingerprint(data: TrainingData) -> int:
                     + np.ascontiguousarray(data.loss_mask).tobytes())
 
 
+def _identity(target, drafter) -> dict:
+  """What a training checkpoint is tied to: capture, target, draft vocabulary."""
+  d2t = distributed.to_host(drafter.d2t[...])
+  return {"capture": drafter.config.capture.as_list(),
+          "target": contract.target_fingerprint(target),
+          "draft_vocab": {"size": int(d2t.shape[0]),
+                          "crc": zlib.crc32(np.ascontiguousarray(d2t, np.int64).tobytes())}}
+
+
+def _check_identity(meta: dict, ours: dict, where: str) -> None:
+  """Refuses to resume a checkpoint written for another capture, target or draft vocabulary."""
+  if "capture" in meta and meta["capture"] != ours["capture"]:
+    raise ValueError(f"{where} was trained on capture layers {meta['capture']}, but this run "
+                     f"captures {ours['capture']}; resuming would train (or export) its "
+                     "weights under the wrong layers. Use the checkpoint's capture or a fresh "
+                     "checkpoint directory")
+  if "target" in meta and not contract.same_fingerprint(meta["target"], ours["target"]):
+    theirs, mine = meta["target"], ours["target"]
+    raise ValueError(f"{where} was trained on another target (fingerprint: "
+                     f"{theirs['num_layers']} layers, hidden {theirs['hidden_size']}, vocab "
+                     f"{theirs['vocab_size']}, final norm {theirs['final_norm'][:3]}...) than "
+                     f"this one ({mine['num_layers']} layers, hidden {mine['hidden_size']}, "
+                     f"vocab {mine['vocab_size']}, final norm {mine['final_norm'][:3]}...); use "
+                     "a fresh checkpoint directory")
+  if "draft_vocab" in meta and meta["draft_vocab"] != ours["draft_vocab"]:
+    raise ValueError(f"{where} was trained with another draft vocabulary "
+                     f"({meta['draft_vocab']}) than this run's ({ours['draft_vocab']}); use "
+                     "the same draft_vocab_size and data, or a fresh checkpoint directory")
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       tree)
@@ -211,8 +243,9 @@ class Trainer:
     self.target = target
     self.config = config
     self.data = data
-    self.capture: CaptureSpec = drafter.config.capture
+    self._capture: CaptureSpec = drafter.config.capture
     self.mesh = target.mesh
+    self._identity = _identity(target, drafter)
     self._drafter = drafter
     self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
     with jax.set_mesh(self.mesh):
@@ -231,6 +264,12 @@ class Trainer:
                               f"the latest checkpoint in {checkpoint_dir}")
       if latest is not None:
         self.restore(latest)
+
+  @property
+  def capture(self) -> CaptureSpec:
+    """The target layers this trainer's features come from (fixed at construction: the
+    drafter's ``fc`` and its checkpoints are tied to them)."""
+    return self._capture
 
   # --- features and batches ---
   def features(self, tokens) -> tuple[jax.Array, jax.Array]:
@@ -288,7 +327,8 @@ class Trainer:
     if self._manager is None or self._manager.latest_step() == self.step:
       return
     meta = {"step": self.step, "epoch": self.position.epoch, "cursor": self.position.cursor,
-            "data_crc": _fingerprint(self.data), "config": dataclasses.asdict(self.config)}
+            "data_crc": _fingerprint(self.data), "config": dataclasses.asdict(self.config),
+            **self._identity}
     tree = {"params": self.params, "opt_state": self.opt_state}
     self._manager.save(self.step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
@@ -300,6 +340,8 @@ class Trainer:
     out = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_abstract(tree)), meta=ocp.args.JsonRestore()))
     meta = out.meta
+    _check_identity(meta, self._identity, f"the checkpoint of step {step} in "
+                    f"{self._manager.directory}")
     if meta.get("data_crc") != _fingerprint(self.data):
       raise ValueError(f"the checkpoint of step {step} in {self._manager.directory} was "
                        "written for other training data (its data position would be "
@@ -344,7 +386,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
                   capture: CaptureSpec | Sequence[int] | None = None,
                   checkpoint_dir: str | None = None, progress: bool = True,
-                  drafter_overrides: dict | None = None) -> TrainResult:
+                  drafter_overrides: dict | None = None,
+                  heldout_prompts: Sequence[Sequence[int]] | None = None) -> TrainResult:
   """Trains an EAGLE-3 drafter for ``target`` and exports it to ``out_dir``.
 
   Steps: the target regenerates responses to ``prompts`` (saved with the checkpoints so a
@@ -363,6 +406,11 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     checkpoint_dir: training state directory.
     progress: show a progress bar and print the vocabulary coverage.
     drafter_overrides: ``DrafterConfig`` fields to override (e.g. a smaller MLP).
+    heldout_prompts: prompts the trained drafter's greedy acceptance is measured on (at
+      ``monitor.DEFAULT_SHAPES``) and recorded for the live monitor (``eagle3jax.monitor``).
+
+  The export carries the capture record (``eagle3jax.capture_contract``): features at the
+  first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
   """
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
@@ -402,5 +450,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   finally:
     trainer.close()
   drafter = trainer.drafter
-  save_drafter(drafter, out_dir)
+  acceptance = (monitor.measure_acceptance(target, drafter, list(heldout_prompts))
+                if heldout_prompts else {})
+  calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
+  save_drafter(drafter, out_dir, target=target,
+               calibration_ids=calibration[:contract.CALIBRATION_TOKENS], acceptance=acceptance)
   return TrainResult(drafter, trainer.history, vocab)
