@@ -90,7 +90,8 @@ def _place(host, name, shape, axes, dtype, sharding, kv_repeat: int) -> jax.Arra
   and ``make_array_from_callback`` asks only for this process's devices, so in a
   multi-process run every process reads just its own shards from disk.
   """
-  host = host if isinstance(host, np.ndarray) else np.asarray(host)
+  if not (hasattr(host, "shape") and hasattr(host, "__getitem__")):
+    host = np.asarray(host)  # lazy views (arrays, weights.StackedView) stay lazy
   logical = _logical(shape, axes, kv_repeat)
   if tuple(host.shape) != logical:
     raise ValueError(f"weight for {name}: shape {tuple(host.shape)} does not match the "

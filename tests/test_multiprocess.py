@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eagle3jax
 from eagle3jax import decode_cli, distributed, params
-from eagle3jax.sharding import EMBED, HEAD_DIM, KV_HEADS, TENSOR
+from eagle3jax.sharding import EMBED, EXPERT, HEAD_DIM, KV_HEADS, MLP, TENSOR
+from eagle3jax.weights import StackedView
 from tests import hf_models
 from tests.test_training import _script as train_script
 
@@ -45,6 +46,17 @@ def test_each_device_reads_only_its_slice():
                       sharding, 4)
   np.testing.assert_array_equal(np.asarray(arr), np.repeat(np.asarray(host), 4, axis=1))
   assert host.reads and all(n == 4 * 3 for n in host.reads)
+
+
+def test_each_device_reads_only_its_experts():
+  parts = [np.full((2, 3), e, np.float32).view(_Recorded) for e in range(8)]
+  for part in parts:
+    part.reads = []
+  mesh = eagle3jax.make_mesh(1, 8)
+  arr = params._place(StackedView(parts), "experts", (8, 2, 3), (EXPERT, EMBED, MLP),
+                      np.float32, NamedSharding(mesh, P(TENSOR, None, None)), 1)
+  np.testing.assert_array_equal(np.asarray(arr), np.stack([np.asarray(p) for p in parts]))
+  assert all(part.reads == [6] for part in parts)  # one expert per device, read once
 
 
 @pytest.mark.parametrize("kwargs, message", [
