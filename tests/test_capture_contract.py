@@ -1,6 +1,7 @@
 """The capture contract (eagle3jax.capture_contract): every silent case of issue 13 refused or
 detected, and no false alarm for a correct pair on the meshes and dtypes the tests use."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -146,8 +147,10 @@ def test_probe_resolves_auto_and_refuses_a_list_far_below_another(saved, target,
 
 def test_monitor_reports_recorded_and_warns_once_when_far_below(saved, target, monkeypatch):
   dr = eagle3jax.load_drafter(saved, target=target)
-  # As if this drafter had reached 9.0 on held-out data: live acceptance is far below.
+  # As if this drafter had reached 9.0 on held-out data: live acceptance is far below. And as
+  # if it had been trained on 16 positions: decoding to position 34 warns naming the field.
   dr.capture_record = dr.capture_record.with_acceptance({"3,1,4": 9.0})
+  dr.config = dataclasses.replace(dr.config, max_position_embeddings=16)
   monkeypatch.setattr(monitor, "MIN_ROUNDS", 4)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -156,6 +159,7 @@ def test_monitor_reports_recorded_and_warns_once_when_far_below(saved, target, m
   assert res.stats["accept_length_recorded"] == 9.0 and res.stats["rounds"] >= 4
   far = [w for w in caught if issubclass(w.category, monitor.AcceptanceWarning)]
   assert len(far) == 1 and "far below the 9.00" in str(far[0].message)
+  assert sum("max_position_embeddings=16" in str(w.message) for w in caught) == 1
   monkeypatch.setattr(monitor, "MIN_ROUNDS", 32)
   dr.capture_record = dr.capture_record.with_acceptance({"3,1,4": 3.5})
   # The same check on stats alone: far below over enough rounds warns exactly once.
@@ -265,13 +269,6 @@ def test_generate_refuses_bad_values(saved, target, kwargs, match):
     eagle3jax.generate(target, dr, args.pop("prompts"), **args)
 
 
-def test_generation_past_the_drafter_context_warns(target):
-  cfg = eagle3jax.DrafterConfig.for_target(target.config, TRAINED, max_position_embeddings=8)
-  dr = eagle3jax.init_drafter(cfg, target=target)
-  with pytest.warns(UserWarning, match="max_position_embeddings=8"):
-    eagle3jax.generate(target, dr, [[3, 4, 5, 6]], max_new_tokens=6, num_steps=3, topk=1)
-
-
 def test_include_embedding_false_leaves_it_out(target, tmp_path):
   dr = H.random_drafter(target)
   path = str(tmp_path / "noemb")
@@ -300,3 +297,24 @@ def test_shipped_pair_passes_on_a_weight_only_int4_target():
     var.set_value(jax.device_put(jnp.asarray(q), var.get_value().sharding))
   dr = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=tgt)
   assert "capture record verified" in dr.capture_explanation
+
+
+def test_record_from_an_unquantized_target_verifies_on_its_int4_checkpoint(tmp_path):
+  # The same tiny DeepSeek as a float32 checkpoint and as a Kimi-K2.5 INT4 (compressed-tensors)
+  # one, held quantized: its captures move by 0.06-0.10, past the fast path's 0.05, and the
+  # every-layer search still finds each capture at its own layer (neighbours differ by > 0.5).
+  from tests import deepseek_models as dm
+  dm.make_checkpoint(str(tmp_path / "f32"))
+  dm.to_kimi_k25_int4_checkpoint(str(tmp_path / "f32"), str(tmp_path / "int4"))
+  f32 = eagle3jax.load_target(str(tmp_path / "f32"), dtype=jnp.float32)
+  int4 = eagle3jax.load_target(str(tmp_path / "int4"), dtype=jnp.float32)
+  cfg = f32.config
+  dcfg = eagle3jax.DrafterConfig(
+      hidden_size=cfg.hidden_size, intermediate_size=88, num_attention_heads=8,
+      num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
+      capture=eagle3jax.CaptureSpec((0, 1, 2)), rms_norm_eps=cfg.rms_norm_eps,
+      max_position_embeddings=cfg.max_position_embeddings)
+  path = str(tmp_path / "drafter")
+  eagle3jax.save_drafter(eagle3jax.init_drafter(dcfg, target=f32), path, target=f32)
+  dr = eagle3jax.load_drafter(path, target=int4)
+  assert "capture record verified on every layer" in dr.capture_explanation
