@@ -48,6 +48,7 @@ import jax
 import numpy as np
 
 from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
+from eagle3jax.distributed import to_host
 
 CONVENTIONS = ("input", "output")
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -194,10 +195,10 @@ def layer_features(target, tokens, layers: Sequence[int] | None = None
     tokens = tokens[None]
   spec = every_layer(target) if layers is None else CaptureSpec(tuple(sorted(set(layers))))
   out = forward(target, tokens, capture=spec)
-  aux = np.asarray(jax.device_get(out.aux_hidden), np.float32)
+  aux = to_host(out.aux_hidden).astype(np.float32)
   d = target.hidden_size
   feats = {i: aux[..., j * d:(j + 1) * d] for j, i in enumerate(spec.layer_ids)}
-  return feats, np.asarray(jax.device_get(out.logits), np.float32)
+  return feats, to_host(out.logits).astype(np.float32)
 
 
 def projection(dim: int, seed: int) -> np.ndarray:
@@ -214,7 +215,7 @@ def token_errors(recorded: np.ndarray, live: np.ndarray) -> float:
 
 
 def _final_norm(target) -> np.ndarray:
-  return np.asarray(jax.device_get(target.norm.weight[...]), np.float32)
+  return to_host(target.norm.weight[...]).astype(np.float32)
 
 
 def target_fingerprint(target, seed: int = 0) -> dict:
@@ -224,7 +225,7 @@ def target_fingerprint(target, seed: int = 0) -> dict:
   rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
   with jax.set_mesh(target.mesh):
     emb = target.embed_tokens[...].at[rows].get(out_sharding=jax.sharding.PartitionSpec())
-  emb = np.asarray(jax.device_get(emb), np.float32)
+  emb = to_host(emb).astype(np.float32)
   return {"num_layers": target.num_layers, "hidden_size": target.hidden_size,
           "vocab_size": target.config.vocab_size,
           "final_norm": np.round(_final_norm(target) @ proj, 6).tolist(),
@@ -314,7 +315,7 @@ def default_calibration_ids(target, drafter=None, seed: int = 0) -> np.ndarray:
   """Seeded ids, drawn from the drafter's draft vocabulary (mapped to target ids) if given."""
   rng = np.random.default_rng([seed, 17])
   if drafter is not None:
-    d2t = np.asarray(jax.device_get(drafter.d2t[...]))
+    d2t = to_host(drafter.d2t[...])
     pool = np.arange(len(d2t)) + d2t
   else:
     pool = np.arange(target.config.vocab_size)
@@ -453,7 +454,7 @@ def probe_sequences(target, drafter, seed: int = 0) -> np.ndarray:
   ``[PROBE_PROMPTS, PROBE_PROMPT_LEN + PROBE_NEW_TOKENS]``."""
   from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng([seed, 23])
-  d2t = np.asarray(jax.device_get(drafter.d2t[...]))
+  d2t = to_host(drafter.d2t[...])
   pool = np.arange(len(d2t)) + d2t
   prompts = rng.choice(pool, (PROBE_PROMPTS, PROBE_PROMPT_LEN)).tolist()
   out = generate(target, None, prompts, max_new_tokens=PROBE_NEW_TOKENS, eos_ids=[])
@@ -475,7 +476,7 @@ def probe_capture(target, drafter, readings: dict[str, CaptureSpec], seed: int =
   layers = sorted({i for spec in readings.values() for i in spec.layer_ids})
   feats, logits = layer_features(target, seqs, layers)
   want = logits.argmax(-1)[:, 1:]                                # target's next at s + 1
-  d2t = np.asarray(jax.device_get(drafter.d2t[...]))
+  d2t = to_host(drafter.d2t[...])
   start = PROBE_PROMPT_LEN - 1
   scores = {}
   width = drafter.config.capture.width(drafter.config.feature_size)
@@ -483,7 +484,7 @@ def probe_capture(target, drafter, readings: dict[str, CaptureSpec], seed: int =
     if spec.width(target.hidden_size) != width:
       continue
     aux = np.concatenate([feats[i] for i in spec.layer_ids], axis=-1)[:, :-1]
-    dl = np.asarray(jax.device_get(draft_logits(drafter, seqs[:, 1:], aux)))
+    dl = to_host(draft_logits(drafter, seqs[:, 1:], aux))
     got = dl.argmax(-1)
     got = got + d2t[got]
     scores[name] = float((got[:, start:] == want[:, start:]).mean())

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from eagle3jax.distributed import distributed_flags, initialize_from_flags, is_main_process
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TARGET = os.path.join(REPO, "models", "default", "target")
 DEFAULT_DRAFTER = os.path.join(REPO, "models", "default", "drafter")
@@ -45,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
                  help="also run autoregressive decoding; report speedup and, for greedy, "
                       "whether the outputs match")
   p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+  distributed_flags(p)
   return p
 
 
@@ -76,6 +79,8 @@ def _run(args) -> int:
       hint = (" (the shipped default models are not in this checkout; pass --target and "
               "--drafter)" if path in (DEFAULT_TARGET, DEFAULT_DRAFTER) else "")
       raise ValueError(f"{flag} {path!r} is not a directory{hint}")
+  initialize_from_flags(args)
+  main = is_main_process()  # only process 0 prints
   mesh = _mesh(args.mesh)
   dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
   target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype)
@@ -101,6 +106,8 @@ def _run(args) -> int:
   printed = [0]
 
   def stream(tokens):
+    if not main:
+      return
     text = codec.decode(tokens[0]) if codec else " ".join(map(str, tokens[0]))
     sys.stdout.write(text[printed[0]:])
     sys.stdout.flush()
@@ -136,6 +143,8 @@ def _run(args) -> int:
     report["baseline_tokens_per_s"] = max(base_tps)
     report["speedup"] = report["tokens_per_s"] / report["baseline_tokens_per_s"]
     report["matches_baseline"] = (base.tokens[0] == out) if args.temperature == 0 else None
+  if not main:
+    return 0
   if args.json:
     print(json.dumps(report))
     return 0

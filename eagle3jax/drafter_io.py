@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from eagle3jax import capture_contract as contract
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
+from eagle3jax.distributed import barrier, is_main_process, to_host
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.hf_target import read_config
 from eagle3jax.params import materialize, random_fill
@@ -329,7 +330,7 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
 
 
 def _host(x) -> np.ndarray:
-  return np.asarray(jax.device_get(x))
+  return to_host(x)
 
 
 def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
@@ -338,7 +339,9 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   capture record ``eagle3jax_record.json``.
 
   The capture ids are recorded in the project convention with ``aux_layer_convention:
-  "output"``, so ``load_drafter(path, target=...)`` needs no convention argument.
+  "output"``, so ``load_drafter(path, target=...)`` needs no convention argument. In a
+  multi-process run every process calls it (parameters are gathered and the record is taken
+  collectively) and process 0 writes the files.
 
   Args:
     drafter: the drafter to write.
@@ -359,7 +362,6 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
                      f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
                      "YaRN attention factor), so no engine would load it back as trained")
-  os.makedirs(path, exist_ok=True)
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
   r = drafter.kv_repeat
@@ -390,8 +392,23 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   if include_embedding or drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
   tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
-  safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
-  hf = {
+  record = getattr(drafter, "capture_record", None)
+  if target is not None:  # on every process: the record runs the target
+    ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
+           else calibration_ids)
+    old = dict(record.acceptance) if record is not None else {}
+    record = contract.make_record(target, cfg.capture, ids, acceptance=old)
+  if is_main_process():
+    _write(path, tensors, _hf_config(drafter), record, acceptance)
+  barrier("eagle3jax.save_drafter")
+
+
+def _hf_config(drafter: Eagle3Drafter) -> dict:
+  """The public ``config.json`` of a drafter (capture ids in the project convention)."""
+  cfg = drafter.config
+  d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
+                cfg.num_key_value_heads)
+  return {
       "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
       "hidden_act": "silu", "hidden_size": d, "intermediate_size": cfg.intermediate_size,
       "num_attention_heads": n, "num_key_value_heads": k, "head_dim": h,
@@ -408,15 +425,15 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
       "eagle_config": {IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
                        "aux_layer_convention": "output"},
   }
+
+
+def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None) -> None:
+  """Writes the drafter's files (process 0 only) and its record when it fits the capture."""
+  os.makedirs(path, exist_ok=True)
+  safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
-  record = getattr(drafter, "capture_record", None)
-  if target is not None:
-    ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
-           else calibration_ids)
-    old = dict(record.acceptance) if record is not None else {}
-    record = contract.make_record(target, cfg.capture, ids, acceptance=old)
-  if record is not None and record.capture == cfg.capture.layer_ids:
+  if record is not None and record.capture == tuple(hf["eagle_config"][IDS_KEY]):
     contract.write_record(path, record.with_acceptance(acceptance or {}))
   elif os.path.exists(os.path.join(path, contract.RECORD_FILE)):
     os.remove(os.path.join(path, contract.RECORD_FILE))  # a stale record would mislead

@@ -17,6 +17,7 @@ from eagle3jax.attention import ATTENTION_IMPLS, default_attention_impl
 from eagle3jax import capture_contract as contract
 from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec
+from eagle3jax.distributed import to_host
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.tree import TreeShape
@@ -105,7 +106,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   Returns:
     ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
     + 1 per round), ``acceptance_per_position``, ``rounds``, ``tokens_per_s`` (excluding
-    compilation), ``compile_s``, ``new_tokens``.
+    compilation), ``compile_s``, ``new_tokens``. In a multi-process run
+    (``eagle3jax.distributed``) every process makes the same call and gets the same result.
   """
   cfg = target.config
   prompts = _validate_prompts(prompts, cfg.vocab_size)
@@ -189,19 +191,19 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       st = decode(params, st, dyn, budget)
       if on_tokens is None:
         break
-      out_len = np.asarray(st.out_len)
-      out = np.asarray(st.out)
+      out_len = to_host(st.out_len)
+      out = to_host(st.out)
       on_tokens([out[i, :out_len[i]].tolist() for i in range(b)])
-      if np.asarray(st.done).all():
+      if to_host(st.done).all():
         break
     jax.block_until_ready(st.out)
     decode_s = time.perf_counter() - t0
-  out = np.asarray(st.out)
-  out_len = np.asarray(st.out_len)
+  out = to_host(st.out)
+  out_len = to_host(st.out_len)
   result = [out[i, :out_len[i]].tolist() for i in range(b)]
-  rounds = np.asarray(st.rounds)
-  accepted = np.asarray(st.accepted)
-  hist = np.asarray(st.hist).sum(axis=0)
+  rounds = to_host(st.rounds)
+  accepted = to_host(st.accepted)
+  hist = to_host(st.hist).sum(axis=0)
   total_rounds = int(rounds.sum())
   # acceptance_per_position[d]: fraction of rounds that accepted at least d + 1 drafts.
   per_pos = ([float(hist[d + 1:].sum() / max(total_rounds, 1)) for d in range(len(hist) - 1)]

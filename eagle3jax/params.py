@@ -4,7 +4,8 @@ Models are constructed abstractly (``nnx.eval_shape``); each parameter carries l
 ``axes`` and an ``init`` kind. ``materialize`` asks a ``fill`` function for each parameter's
 host value (from a checkpoint or a seeded RNG) and places it with the sharding the parameter
 rules give, transferring to each device only its own shard
-(``jax.make_array_from_callback``).
+(``jax.make_array_from_callback``). ``fill`` may return a lazy view of a memory-mapped
+checkpoint: only the slices this process's devices hold are then read.
 
 Stacked layers (``eagle3jax.stack``: a leading ``LAYERS`` axis) are filled one layer at a
 time: ``fill`` is asked for ``layers.{i}.<path>`` in the per-layer shape, as checkpoints name
@@ -110,16 +111,32 @@ def _logical(shape, axes, kv_repeat: int) -> tuple[int, ...]:
 
 
 def _place(host, name, shape, axes, dtype, sharding, kv_repeat: int) -> jax.Array:
-  """Checks a host value's shape, replicates KV heads and places it with ``sharding``."""
-  host = np.asarray(host)
+  """Checks a host value's shape, replicates KV heads and places it with ``sharding``.
+
+  ``host`` may be a lazy view (a memory-mapped checkpoint tensor, transposed or reshaped):
+  each device's callback reads, converts and KV-replicates only the slice that device holds,
+  and ``make_array_from_callback`` asks only for this process's devices, so in a
+  multi-process run every process reads just its own shards from disk.
+  """
+  if not (hasattr(host, "shape") and hasattr(host, "__getitem__")):
+    host = np.asarray(host)  # lazy views (arrays, weights.StackedView) stay lazy
   logical = _logical(shape, axes, kv_repeat)
   if tuple(host.shape) != logical:
     raise ValueError(f"weight for {name}: shape {tuple(host.shape)} does not match the "
                      f"model's {logical}")
-  if KV_HEADS in axes and kv_repeat > 1:
-    host = np.repeat(host, kv_repeat, axis=list(axes).index(KV_HEADS))
-  host = host.astype(dtype)
-  return jax.make_array_from_callback(tuple(shape), sharding, lambda idx: host[idx])
+  kv_axis = list(axes).index(KV_HEADS) if KV_HEADS in axes and kv_repeat > 1 else None
+  return jax.make_array_from_callback(
+      tuple(shape), sharding, lambda idx: _read_slice(host, idx, kv_axis, kv_repeat, dtype))
+
+
+def _read_slice(host: np.ndarray, idx: tuple, kv_axis: int | None, kv_repeat: int,
+                dtype) -> np.ndarray:
+  """``np.repeat(host, kv_repeat, kv_axis)[idx].astype(dtype)``, reading only that slice."""
+  idx = tuple(idx) + (slice(None),) * (host.ndim - len(idx))
+  if kv_axis is not None:
+    rows = np.arange(host.shape[kv_axis] * kv_repeat)[idx[kv_axis]] // kv_repeat
+    idx = idx[:kv_axis] + (rows,) + idx[kv_axis + 1:]
+  return np.array(host[idx], dtype=dtype)  # a copy: device arrays never alias the file
 
 
 def _zeros(shape, dtype, sharding):

@@ -104,11 +104,38 @@ class WeightTable:
     return Entry((prefix + hf,), layout)
 
 
-def to_ours(entry: Entry, tensors: list[np.ndarray]) -> np.ndarray:
-  """HF tensors (float or already dequantised) -> our layout."""
+class StackedView:
+  """``np.stack(parts)`` without the copy: indexing reads only the parts it selects (and only
+  the slices of them the rest of the index asks for), so a device that holds some experts
+  reads only those from a memory-mapped checkpoint (``eagle3jax.params``)."""
+
+  def __init__(self, parts: list[np.ndarray]):
+    self.parts = parts
+    self.shape = (len(parts),) + tuple(parts[0].shape)
+    self.ndim = len(self.shape)
+    self.dtype = parts[0].dtype
+
+  def __getitem__(self, idx):
+    idx = idx if isinstance(idx, tuple) else (idx,)
+    picks = np.arange(len(self.parts))[idx[0]]
+    if picks.ndim == 0:
+      return np.asarray(self.parts[int(picks)][idx[1:]])
+    if picks.size == 0:
+      return np.asarray(self)[idx]
+    return np.stack([np.asarray(self.parts[int(e)][idx[1:]]) for e in picks])
+
+  def __array__(self, dtype=None, copy=None):
+    del copy
+    out = np.stack([np.asarray(w) for w in self.parts])
+    return out if dtype is None else out.astype(dtype)
+
+
+def to_ours(entry: Entry, tensors: list[np.ndarray]) -> np.ndarray | StackedView:
+  """HF tensors (float or already dequantised) -> our layout (views where the layout allows:
+  a memory-mapped tensor is read only where it is indexed)."""
   layout = entry.layout
   if isinstance(layout, Experts):
-    return np.stack([layout.linear.to_ours(np.asarray(w)) for w in tensors])
+    return StackedView([layout.linear.to_ours(np.asarray(w)) for w in tensors])
   return layout.to_ours(np.asarray(tensors[0]))
 
 

@@ -25,19 +25,29 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
   Args:
     data: size of the batch axis.
     tensor: size of the tensor-parallel axis.
-    devices: devices to use (default: ``jax.devices()``); the first ``data * tensor`` are used.
+    devices: devices to use (default: ``jax.devices()``, which in a multi-process run are
+      every process's devices); the first ``data * tensor`` are used. In a multi-process run
+      the mesh must use all of them.
 
   Returns:
     A ``jax.sharding.Mesh`` with axes ``("data", "tensor")``, both ``AxisType.Explicit``.
 
   Raises:
-    ValueError: if a size is not a positive integer or there are too few devices.
+    ValueError: if a size is not a positive integer, there are too few devices, or a
+      multi-process mesh leaves devices out.
   """
   for name, size in (("data", data), ("tensor", tensor)):
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
       raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
   devices = list(jax.devices() if devices is None else devices)
   need = data * tensor
+  processes = jax.process_count()
+  if processes > 1 and need != len(devices):
+    raise ValueError(
+        f"make_mesh(data={data}, tensor={tensor}) uses {need} devices, but this run has "
+        f"{processes} processes with {len(devices)} devices in all "
+        f"({jax.local_device_count()} per process); a multi-process mesh must span every "
+        f"device: choose DATA*TENSOR={len(devices)}")
   if len(devices) < need:
     raise ValueError(
         f"make_mesh(data={data}, tensor={tensor}) needs {need} devices but only "

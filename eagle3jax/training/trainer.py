@@ -13,6 +13,11 @@ Checkpoints (orbax ``CheckpointManager``, synchronous, atomic: a step directory 
 once completely written) hold the trainable parameters, the optimiser state, the step and the
 data position, so a killed run restarted with the same directory continues the same sequence
 of batches and losses.
+
+In a multi-process run (``eagle3jax.distributed``) every process runs the same loop on the
+same data; checkpoints are saved and restored collectively (orbax writes each process's
+shards, process 0 the metadata) into a directory every process sees, and only process 0
+writes the regenerated data, the exported drafter and the progress output.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from eagle3jax import capture_contract as contract
+from eagle3jax import distributed
 from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.drafter import DrafterConfig
@@ -189,7 +195,7 @@ def _fingerprint(data: TrainingData) -> int:
 
 def _identity(target, drafter) -> dict:
   """What a training checkpoint is tied to: capture, target, draft vocabulary."""
-  d2t = np.asarray(jax.device_get(drafter.d2t[...]))
+  d2t = distributed.to_host(drafter.d2t[...])
   return {"capture": drafter.config.capture.as_list(),
           "target": contract.target_fingerprint(target),
           "draft_vocab": {"size": int(d2t.shape[0]),
@@ -256,8 +262,11 @@ class Trainer:
           os.path.abspath(checkpoint_dir),
           options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints,
                                                enable_async_checkpointing=False))
-      if self._manager.latest_step() is not None:
-        self.restore(self._manager.latest_step())
+      latest = self._manager.latest_step()
+      distributed.same_on_all(-1 if latest is None else latest,
+                              f"the latest checkpoint in {checkpoint_dir}")
+      if latest is not None:
+        self.restore(latest)
 
   @property
   def capture(self) -> CaptureSpec:
@@ -410,9 +419,12 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
+  progress = progress and distributed.is_main_process()
   os.makedirs(checkpoint_dir, exist_ok=True)
   data_path = os.path.join(checkpoint_dir, "data.npz")
-  if os.path.exists(data_path):
+  have_data = os.path.exists(data_path)
+  distributed.same_on_all(have_data, f"whether {data_path} exists")
+  if have_data:
     data = TrainingData.load(data_path)
     if data.seq_len != config.seq_len:
       raise ValueError(f"{data_path} holds sequences of length {data.seq_len}, but "
@@ -422,7 +434,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                                max_new_tokens=config.max_new_tokens,
                                temperature=config.temperature, seed=config.seed,
                                batch_size=config.gen_batch_size)
-    data.save(data_path)
+    if distributed.is_main_process():
+      data.save(data_path)
+    distributed.barrier("eagle3jax.train_drafter.data")
   vocab_size = target.config.vocab_size
   vocab = build_draft_vocab(data.responses(), vocab_size,
                             config.resolved_draft_vocab_size(vocab_size))
