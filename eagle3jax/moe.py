@@ -17,8 +17,9 @@ Expert compute, one SwiGLU per routed pair ``y += w * down(silu(x @ gate) * (x @
   multiplies, so only the touched experts are read and the cost scales with P, not E;
 * ``"tiles"`` (many tokens: prefill, training features): pairs sorted by expert, each expert's
   group padded to a multiple of a tile, and one batched matmul over the tiles (each tile reads
-  one expert's matrices), then un-sorted and combined. At most ``P / tile + min(E, P)`` tiles
-  exist, and the tile is the mean load per expert, so rows computed stay below ~2P;
+  one expert's matrices), then un-sorted and combined. At most ``(P + min(E, P) (tile - 1)) /
+  tile`` tiles exist, and the tile is the mean load per expert, so fewer than 2P rows are
+  computed whatever the routing;
 * ``"ragged"``: the same sorted pairs through ``jax.lax.ragged_dot`` (a real grouped matmul on
   GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there).
 
@@ -197,9 +198,8 @@ def choose_impl(num_tokens: int, top_k: int, num_local_experts: int, impl: str =
 
 
 def tile_size(num_pairs: int, num_local_experts: int) -> int:
-  """Rows per tile: the mean load per expert rounded up to a power of two (at most 128)."""
-  mean = -(-num_pairs // num_local_experts)
-  return min(_MAX_TILE, 1 << max(0, (mean - 1).bit_length()))
+  """Rows per tile: the mean load per expert, rounded up (at most 128)."""
+  return max(1, min(_MAX_TILE, -(-num_pairs // num_local_experts)))
 
 
 def num_tiles(num_pairs: int, num_local_experts: int, tile: int) -> int:

@@ -1,0 +1,187 @@
+"""Mixture of experts (eagle3jax.moe): routing, the grouped paths against the dense reference,
+expert parallelism against one device, and cost that scales with top-k rather than E."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import eagle3jax
+from eagle3jax import moe
+from eagle3jax.sharding import BATCH, EMBED, EXPERT, SEQ, activation_spec, param_sharding
+
+D, F = 16, 12
+
+
+def _experts(rng, e, dtype=jnp.float32):
+  def w(shape, fan_in):
+    return jnp.asarray(rng.normal(size=shape) / np.sqrt(fan_in), dtype)
+  return moe.Experts(w((e, D, F), D), w((e, D, F), D), w((e, F, D), F))
+
+
+def _router(rng, e, skew=0.0):
+  """Router ``gate [D, E]`` and correction bias ``[E]``; ``skew`` > 0 favours low expert ids
+  (ragged loads, many experts receiving no token)."""
+  gate = jnp.asarray(rng.normal(size=(D, e)), jnp.float32)
+  bias = jnp.asarray(rng.normal(size=(e,)) * 0.1 - skew * np.arange(e) / e, jnp.float32)
+  return gate, bias
+
+
+def _dense_combine(ids, weights, e):
+  return jnp.zeros(ids.shape[:-1] + (e,), jnp.float32).at[
+      jnp.arange(ids.shape[0])[:, None], ids].add(weights)
+
+
+def _reference(x, ids, weights, experts):
+  combine = _dense_combine(ids, weights, experts.gate.shape[0])
+  return moe.moe_reference(x[None], combine[None], experts)[0]
+
+
+def test_route_equals_dense_combine_weights():
+  rng = np.random.default_rng(0)
+  rc = moe.RoutingConfig(num_experts=16, top_k=3, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.5)
+  gate, bias = _router(rng, 16)
+  x = jnp.asarray(rng.normal(size=(37, D)), jnp.float32)
+  ids, weights = moe.route(x, gate, bias, rc)
+  assert ids.shape == weights.shape == (37, 3) and ids.dtype == jnp.int32
+  np.testing.assert_allclose(np.asarray(_dense_combine(ids, weights, 16)),
+                             np.asarray(moe.combine_weights(x, gate, bias, rc)), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(weights.sum(-1)), 2.5, rtol=1e-6)
+  groups = np.asarray(ids) // 4  # group-limited: at most topk_group groups per token
+  assert max(len(set(row)) for row in groups) == 2
+  assert (np.sort(np.asarray(ids), -1)[:, 1:] != np.sort(np.asarray(ids), -1)[:, :-1]).all()
+
+
+@pytest.mark.parametrize("impl", ["gather", "tiles", "ragged"])
+@pytest.mark.parametrize("n,e,k,case", [
+    (1, 16, 4, "random"), (8, 16, 4, "random"), (8, 64, 2, "random"), (200, 16, 4, "random"),
+    (200, 64, 3, "ragged"), (40, 32, 4, "one_expert_hot"), (64, 8, 8, "all_experts")])
+def test_grouped_paths_equal_reference(impl, n, e, k, case):
+  rng = np.random.default_rng(n * e + k)
+  experts = _experts(rng, e)
+  x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+  if case == "random":
+    ids = np.stack([rng.choice(e, k, replace=False) for _ in range(n)])
+  elif case == "ragged":  # loads from ~n down to 0: most experts receive no token
+    p = np.exp(-np.arange(e) / 3.0)
+    ids = np.stack([rng.choice(e, k, replace=False, p=p / p.sum()) for _ in range(n)])
+  elif case == "one_expert_hot":  # every token on expert 5, the rest spread thin
+    ids = np.stack([np.r_[5, rng.choice(np.r_[0:5, 6:e], k - 1, replace=False)]
+                    for _ in range(n)])
+  else:
+    ids = np.stack([rng.permutation(e) for _ in range(n)])
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+  ids = jnp.asarray(ids, jnp.int32)
+  got = jax.jit(functools.partial(moe.grouped, impl=impl))(x, ids, weights, experts)
+  want = _reference(x, ids, weights, experts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+  assert float(jnp.abs(want).max()) > 0.1
+
+
+@pytest.mark.parametrize("impl", ["gather", "tiles", "ragged"])
+def test_ids_of_other_devices_contribute_nothing(impl):
+  """Expert parallelism hands each device global ids minus its offset: ids outside [0, E)."""
+  rng = np.random.default_rng(3)
+  experts = _experts(rng, 8)
+  x = jnp.asarray(rng.normal(size=(30, D)), jnp.float32)
+  ids = jnp.asarray(rng.integers(-8, 16, size=(30, 4)), jnp.int32)
+  weights = jnp.asarray(rng.uniform(size=(30, 4)), jnp.float32)
+  got = moe.grouped(x, ids, weights, experts, impl)
+  ok = (ids >= 0) & (ids < 8)
+  want = _reference(x, jnp.where(ok, ids, 0), jnp.where(ok, weights, 0.0), experts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+def test_tiles_bound_and_auto_choice():
+  for p, e in [(32, 16), (1024, 256), (1024, 16), (7, 64), (4096, 384)]:
+    tile = moe.tile_size(p, e)
+    rows = moe.num_tiles(p, e, tile) * tile
+    # worst case over routings: every expert's group padded by tile - 1
+    assert p + min(e, p) * (tile - 1) - tile < rows < 2 * p
+  assert moe.choose_impl(8, 4, 256) == "gather"
+  assert moe.choose_impl(256, 4, 16) == "tiles"  # tests run on CPU
+  with pytest.raises(ValueError, match="unknown MoE impl 'dense'"):
+    moe.choose_impl(8, 4, 16, "dense")
+  with pytest.raises(ValueError, match="top_k=9"):
+    moe.RoutingConfig(num_experts=16, top_k=9, n_group=4, topk_group=2)
+
+
+@pytest.mark.parametrize("n", [8, 256])
+def test_routed_experts_auto_equals_reference(n):
+  rng = np.random.default_rng(n)
+  rc = moe.RoutingConfig(num_experts=32, top_k=4, n_group=4, topk_group=2,
+                         routed_scaling_factor=1.5)
+  experts = _experts(rng, 32)
+  gate, bias = _router(rng, 32, skew=2.0)
+  x = jnp.asarray(rng.normal(size=(2, n // 2, D)), jnp.float32)
+  want = moe.routed_experts(x, gate, bias, experts, rc, "reference")
+  got = jax.jit(functools.partial(moe.routed_experts, rc=rc))(x, gate, bias, experts)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0)
+
+
+# --- expert parallelism ---
+
+@pytest.mark.parametrize("mesh_shape", [(1, 8), (2, 4)])
+def test_expert_parallel_equals_one_device(mesh_shape):
+  rng = np.random.default_rng(11)
+  e = 32
+  rc = moe.RoutingConfig(num_experts=e, top_k=4, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.0)
+  experts = _experts(rng, e)
+  gate, bias = _router(rng, e, skew=1.0)
+  mesh = eagle3jax.make_mesh(*mesh_shape)
+  with jax.set_mesh(mesh):
+    ex = moe.Experts(*(jax.device_put(w, param_sharding(mesh, axes, w.shape)) for w, axes in
+                       zip(experts, [(EXPERT, EMBED, None)] * 2 + [(EXPERT, None, EMBED)])))
+  per_device = e // mesh_shape[1]
+  for w in ex:  # each device holds its E / n experts, and only those
+    assert w.sharding.spec[0] == "tensor"
+    assert {s.data.shape[0] for s in w.addressable_shards} == {per_device}
+  rep = NamedSharding(mesh, P())
+  for tokens, impls in [(8, ("gather", "tiles", "auto")), (128, ("tiles", "ragged", "auto"))]:
+    x = jnp.asarray(rng.normal(size=(2, tokens // 2, D)), jnp.float32)
+    want = moe.routed_experts(x, gate, bias, experts, rc, "reference")
+    xs = jax.device_put(x, NamedSharding(mesh, activation_spec((BATCH, SEQ, EMBED), x.shape,
+                                                               mesh)))
+    for impl in impls:
+      fn = jax.jit(functools.partial(moe.routed_experts, rc=rc, impl=impl))
+      with jax.set_mesh(mesh):
+        args = (xs, jax.device_put(gate, rep), jax.device_put(bias, rep), ex)
+        got = fn(*args)
+        hlo = fn.lower(*args).compile().as_text()
+      assert got.sharding.spec == xs.sharding.spec
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0,
+                                 err_msg=f"{tokens} tokens, {impl}")
+      # tokens stay put and expert weights never move: one all-reduce of the results
+      assert "all-gather" not in hlo and "all-to-all" not in hlo, impl
+      assert "all-reduce" in hlo
+
+
+# --- cost scales with top-k, not with E ---
+
+def _flops(fn, *args):
+  return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
+
+
+@pytest.mark.parametrize("n,impl", [(8, "gather"), (256, "tiles")])
+def test_grouped_flops_do_not_scale_with_experts(n, impl):
+  rng = np.random.default_rng(0)
+  k = 4
+  x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+  ids = jnp.asarray(rng.integers(0, 16, size=(n, k)), jnp.int32)
+  weights = jnp.ones((n, k), jnp.float32)
+  grouped, auto, dense = {}, {}, {}
+  for e in (16, 256):
+    experts = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+                           _experts(rng, e))
+    grouped[e] = _flops(functools.partial(moe.grouped, impl=impl), x, ids, weights, experts)
+    auto[e] = _flops(moe.grouped, x, ids, weights, experts)
+    dense[e] = _flops(lambda x, c, ex: moe.moe_reference(x[None], c[None], ex),
+                      x, jnp.zeros((n, e), jnp.float32), experts)
+  print(f"{impl} n={n}: grouped flops {grouped}, auto {auto}, dense {dense}")
+  assert grouped[256] <= 1.25 * grouped[16] and auto[256] <= 1.25 * auto[16]
+  assert dense[256] >= 12 * dense[16]  # the oracle does scale (so the measure can fail)
