@@ -16,10 +16,11 @@ Expert compute, one SwiGLU per routed pair ``y += w * down(silu(x @ gate) * (x @
 * ``"gather"`` (few tokens: decode, verify): each pair gathers its expert's three matrices and
   multiplies, so only the touched experts are read and the cost scales with P, not E;
 * ``"tiles"`` (many tokens: prefill, training features): pairs sorted by expert, each expert's
-  group padded to a multiple of a tile, and one batched matmul over the tiles (each tile reads
-  one expert's matrices), then un-sorted and combined. At most ``(P + min(E, P) (tile - 1)) /
-  tile`` tiles exist, and the tile is the mean load per expert, so fewer than 2P rows are
-  computed whatever the routing;
+  group padded to a multiple of a tile, a loop of matmuls over the tiles (each tile reads one
+  expert's matrices in place; gathering every tile's matrices into one batched matmul is ~10x
+  slower on XLA:CPU, whose large-slice gathers are slow), then un-sorted and combined. At most
+  ``(P + min(E, P) (tile - 1)) / tile`` tiles exist, and the tile is the mean load per expert,
+  so fewer than 2P rows are computed whatever the routing;
 * ``"ragged"``: the same sorted pairs through ``jax.lax.ragged_dot`` (a real grouped matmul on
   GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there).
 
@@ -48,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from eagle3jax import stack as stack_lib
 from eagle3jax.sharding import out_spec, shard
 
 IMPLS = ("auto", "reference", "gather", "tiles", "ragged")
@@ -56,6 +58,9 @@ _GROUP_SCORE_TOP = 2
 _NORM_EPS = 1e-20
 # Largest tile of the "tiles" path (rows per expert matrix read).
 _MAX_TILE = 128
+# Tiles per step of the tiles loop (XLA:CPU's per-iteration overhead dominates small tiles;
+# ``eagle3jax.stack.unrolled`` unrolls it fully, for cost_analysis).
+_TILE_UNROLL = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,11 +214,10 @@ def num_tiles(num_pairs: int, num_local_experts: int, tile: int) -> int:
 
 
 def _swiglu_rows(x, g, u, d, w):
-  """``w * down(silu(x g) * (x u))`` for batched rows: ``x [..., R, D]`` with matrices
-  ``[..., D, F]`` / ``[..., F, D]``, row weights ``w [..., R]``."""
-  h = jax.nn.silu(jnp.einsum("...RD,...DF->...RF", x, g)) * jnp.einsum("...RD,...DF->...RF", x, u)
-  h = h * w[..., None].astype(x.dtype)
-  return jnp.einsum("...RF,...FD->...RD", h, d)
+  """``w * down(silu(x g) * (x u))`` for rows ``x [R, D]`` of one expert (``g``, ``u``
+  ``[D, F]``, ``d [F, D]``) with row weights ``w [R]``: ``[R, D]``."""
+  h = jax.nn.silu(x @ g) * (x @ u)
+  return (h * w[:, None].astype(x.dtype)) @ d
 
 
 def _gather(x, ids, weights, experts):
@@ -259,9 +263,14 @@ def _tiles(x, ids, weights, experts, tile):
   tok = jnp.where(live, src // k, 0)
   w = jnp.where(live, weights.reshape(-1)[jnp.minimum(src, p - 1)], 0.0)
   tile_e = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nt) * tile, side="right"), e - 1)
-  xs = x[tok].reshape(nt, tile, -1)
-  y = _swiglu_rows(xs, take(experts.gate, tile_e), take(experts.up, tile_e),
-                   take(experts.down, tile_e), w.reshape(nt, tile))              # [nt, tile, D]
+
+  def one_tile(_, a):  # reads one expert's matrices, in place
+    xt, et, wt = a                                                               # [tile, D]
+    return None, _swiglu_rows(xt, take(experts.gate, et), take(experts.up, et),
+                              take(experts.down, et), wt)
+  unroll = True if stack_lib.is_unrolled() else min(nt, _TILE_UNROLL)
+  _, y = jax.lax.scan(one_tile, None, (x[tok].reshape(nt, tile, -1), tile_e,
+                                       w.reshape(nt, tile)), unroll=unroll)     # [nt, tile, D]
   return jnp.zeros_like(x).at[tok].add(y.reshape(nt * tile, -1))
 
 

@@ -42,6 +42,12 @@ def unrolled():
     _UNROLL.pop()
 
 
+def is_unrolled() -> bool:
+  """Whether scans are being traced unrolled (inside ``unrolled()``); other loops whose cost
+  matters (the MoE tiles, ``eagle3jax.moe``) follow it too."""
+  return _UNROLL[-1]
+
+
 def stack_layers(factory: Callable[[], nnx.Module], count: int, offset: int = 0) -> nnx.Module:
   """``factory()`` with every variable grown to ``[count, ...]`` (logical axis ``LAYERS``).
 
