@@ -37,7 +37,9 @@ matmul does anyway; exchanging pairs with an all-to-all would move ``2 P D / n``
 all-gather of ``N D``, more than the ``psum``'s ``~2 N D`` whenever k >= n / 2).
 
 Every read of an expert matrix goes through ``take`` (some experts) or ``full`` (all), so that
-quantized experts plug in by replacing those two functions.
+quantized experts plug in by replacing those two functions (and ``_num_experts``, which reads
+``w.shape[0]``). Duck typing on a ``take`` method would be wrong: ``jax.Array.take`` exists and
+flattens.
 """
 
 from __future__ import annotations
@@ -86,6 +88,10 @@ class RoutingConfig:
     if self.num_experts % self.n_group:
       raise ValueError(f"RoutingConfig: n_group={self.n_group} must divide "
                        f"num_experts={self.num_experts}")
+    if self.num_experts // self.n_group < _GROUP_SCORE_TOP:
+      raise ValueError(f"RoutingConfig: groups of {self.num_experts // self.n_group} experts; "
+                       f"noaux_tc scores a group by its best {_GROUP_SCORE_TOP}, so use fewer "
+                       "groups (n_group)")
     if not 1 <= self.topk_group <= self.n_group:
       raise ValueError(f"RoutingConfig: topk_group={self.topk_group} must be in "
                        f"[1, n_group={self.n_group}]")

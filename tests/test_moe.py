@@ -110,6 +110,11 @@ def test_tiles_bound_and_auto_choice():
     moe.choose_impl(8, 4, 16, "dense")
   with pytest.raises(ValueError, match="top_k=9"):
     moe.RoutingConfig(num_experts=16, top_k=9, n_group=4, topk_group=2)
+  with pytest.raises(ValueError, match="groups of 1 experts"):
+    moe.RoutingConfig(num_experts=8, top_k=2, n_group=8, topk_group=2)
+  with pytest.raises(ValueError, match="not a grouped path"):
+    moe.grouped(jnp.zeros((2, D)), jnp.zeros((2, 1), jnp.int32), jnp.ones((2, 1)),
+                _experts(np.random.default_rng(0), 4), "reference")
 
 
 def test_routed_experts_auto_equals_reference(n=64):
