@@ -197,3 +197,22 @@ def test_grouped_flops_do_not_scale_with_experts(n, k, impl, experts):
   print(f"{impl} n={n}: grouped flops {grouped}, dense {dense}")
   assert grouped[big] <= 1.25 * grouped[small]
   assert dense[big] >= 0.75 * big / small * dense[small]  # the oracle scales (the measure can fail)
+
+
+# --- inside the DeepSeek model (layers scanned) ---
+
+def test_deepseek_layer_paths_agree():
+  """The MoE layer inside the layer scan equals the dense reference (3 tokens: ``auto``
+  gathers; 24 tokens: ``auto`` runs tiles)."""
+  from eagle3jax.deepseek_config import DeepseekConfig
+  model = eagle3jax.init_deepseek(DeepseekConfig.tiny(num_hidden_layers=2, n_routed_experts=16,
+                                                      n_group=4, topk_group=2,
+                                                      num_experts_per_tok=3), seed=2, std=0.1)
+  ids = np.random.default_rng(0).integers(0, 131, (1, 24))
+  outs = {}
+  for impl in ("reference", "auto"):
+    model.moe_layers.mlp.impl = impl
+    outs[impl] = [np.asarray(eagle3jax.forward(model, ids[:, :t]).logits) for t in (3, 24)]
+  for got, want in zip(outs["auto"], outs["reference"]):
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+  assert moe.choose_impl(3, 3, 16) == "gather" and moe.choose_impl(24, 3, 16) == "tiles"
