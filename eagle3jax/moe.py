@@ -24,8 +24,11 @@ Expert compute, one SwiGLU per routed pair ``y += w * down(silu(x @ gate) * (x @
 * ``"ragged"``: the same sorted pairs through ``jax.lax.ragged_dot`` (a real grouped matmul on
   GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there).
 
-``impl="auto"`` picks ``gather`` when the pairs are no more than the experts (each expert is
-read about once either way), otherwise ``tiles`` on CPU and ``ragged`` elsewhere.
+``impl="auto"`` picks, on GPU/TPU, ``gather`` when the pairs are no more than the experts (each
+expert is read about once either way) and ``ragged`` otherwise; on CPU always ``tiles`` (with no
+more pairs than experts the tile is one row, so the loop reads exactly the chosen experts'
+matrices, and measured here it beats ``gather`` for 8 tokens at E = 16 and 256: XLA:CPU's
+gathers of whole matrices are slow).
 
 Expert parallelism (``routed_experts`` under a mesh): the expert stacks are sharded over the
 mesh axis their ``EXPERT`` dimension maps to (``tensor``), so each device holds ``E / n`` experts
@@ -203,9 +206,9 @@ def choose_impl(num_tokens: int, top_k: int, num_local_experts: int, impl: str =
     raise ValueError(f"unknown MoE impl {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  if num_tokens * top_k <= num_local_experts:
-    return "gather"
-  return "tiles" if jax.default_backend() == "cpu" else "ragged"
+  if jax.default_backend() == "cpu":
+    return "tiles"
+  return "gather" if num_tokens * top_k <= num_local_experts else "ragged"
 
 
 def tile_size(num_pairs: int, num_local_experts: int) -> int:

@@ -104,8 +104,8 @@ def test_tiles_bound_and_auto_choice():
     rows = moe.num_tiles(p, e, tile) * tile
     # worst case over routings: every expert's group padded by tile - 1
     assert p + min(e, p) * (tile - 1) - tile < rows < 2 * p
-  assert moe.choose_impl(8, 4, 256) == "gather"
-  assert moe.choose_impl(256, 4, 16) == "tiles"  # tests run on CPU
+  assert moe.choose_impl(8, 4, 256) == moe.choose_impl(256, 4, 16) == "tiles"  # on CPU
+  assert moe.tile_size(32, 256) == 1 and moe.num_tiles(32, 256, 1) == 32  # one pair per tile
   with pytest.raises(ValueError, match="unknown MoE impl 'dense'"):
     moe.choose_impl(8, 4, 16, "dense")
   with pytest.raises(ValueError, match="top_k=9"):
@@ -149,7 +149,7 @@ def test_expert_parallel_equals_one_device(mesh_shape):
     assert {s.data.shape[0] for s in w.addressable_shards} == {per_device}
   rep = NamedSharding(mesh, P())
   runs = ([(8, "gather"), (128, "tiles"), (128, "ragged")] if mesh_shape == (1, 8) else
-          [(8, "auto"), (128, "auto")])
+          [(8, "auto"), (128, "auto")])  # auto is tiles on CPU
   for tokens, impl in runs:
     x = jnp.asarray(rng.normal(size=(2, tokens // 2, D)), jnp.float32)
     want = moe.routed_experts(x, gate, bias, experts, rc, "reference")
@@ -202,8 +202,8 @@ def test_grouped_flops_do_not_scale_with_experts(n, k, impl, experts):
 # --- inside the DeepSeek model (layers scanned) ---
 
 def test_deepseek_layer_paths_agree():
-  """The MoE layer inside the layer scan equals the dense reference (3 tokens: ``auto``
-  gathers; 24 tokens: ``auto`` runs tiles)."""
+  """The MoE layer inside the layer scan equals the dense reference (3 tokens: one pair per
+  tile; 24 tokens: tiles of 5)."""
   from eagle3jax.deepseek_config import DeepseekConfig
   model = eagle3jax.init_deepseek(DeepseekConfig.tiny(num_hidden_layers=2, n_routed_experts=16,
                                                       n_group=4, topk_group=2,
@@ -215,4 +215,4 @@ def test_deepseek_layer_paths_agree():
     outs[impl] = [np.asarray(eagle3jax.forward(model, ids[:, :t]).logits) for t in (3, 24)]
   for got, want in zip(outs["auto"], outs["reference"]):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-  assert moe.choose_impl(3, 3, 16) == "gather" and moe.choose_impl(24, 3, 16) == "tiles"
+  assert moe.tile_size(3 * 3, 16) == 1 and moe.tile_size(24 * 3, 16) == 5
