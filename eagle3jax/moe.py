@@ -20,7 +20,8 @@ Expert compute, one SwiGLU per routed pair ``y += w * down(silu(x @ gate) * (x @
   expert's matrices in place; gathering every tile's matrices into one batched matmul is ~10x
   slower on XLA:CPU, whose large-slice gathers are slow), then un-sorted and combined. At most
   ``(P + min(E, P) (tile - 1)) / tile`` tiles exist, and the tile is the mean load per expert,
-  so fewer than 2P rows are computed whatever the routing;
+  so fewer than 2P rows are computed whatever the routing (tiles past the last expert's group
+  are skipped by a ``lax.cond``: their matrices are not read);
 * ``"ragged"``: the same sorted pairs through ``jax.lax.ragged_dot`` (a real grouped matmul on
   GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there).
 
@@ -273,13 +274,17 @@ def _tiles(x, ids, weights, experts, tile):
   w = jnp.where(live, weights.reshape(-1)[jnp.minimum(src, p - 1)], 0.0)
   tile_e = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nt) * tile, side="right"), e - 1)
 
+  used = jnp.arange(nt) * tile < ends[-1]  # tiles past the last group: skipped, not read
+
   def one_tile(_, a):  # reads one expert's matrices, in place
-    xt, et, wt = a                                                               # [tile, D]
-    return None, _swiglu_rows(xt, take(experts.gate, et), take(experts.up, et),
-                              take(experts.down, et), wt)
+    xt, et, wt, ut = a                                                           # [tile, D]
+    return None, jax.lax.cond(
+        ut, lambda: _swiglu_rows(xt, take(experts.gate, et), take(experts.up, et),
+                                 take(experts.down, et), wt),
+        lambda: jnp.zeros_like(xt))
   unroll = True if stack_lib.is_unrolled() else min(nt, _TILE_UNROLL)
   _, y = jax.lax.scan(one_tile, None, (x[tok].reshape(nt, tile, -1), tile_e,
-                                       w.reshape(nt, tile)), unroll=unroll)     # [nt, tile, D]
+                                       w.reshape(nt, tile), used), unroll=unroll)  # [nt, tile, D]
   return jnp.zeros_like(x).at[tok].add(y.reshape(nt * tile, -1))
 
 
