@@ -16,6 +16,7 @@ from eagle3jax.llama import LlamaForCausalLM
 from eagle3jax.kv_cache import KVCache
 from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.hf_deepseek import init_deepseek
+from eagle3jax.quant_config import QuantizationConfig
 
 # --- Meshes ---
 from eagle3jax.sharding import make_mesh
@@ -23,16 +24,18 @@ from eagle3jax.sharding import make_mesh
 __all__ = [
     "CaptureSpec", "LlamaConfig", "RopeConfig", "init_target", "load_target", "ForwardOutput",
     "forward", "LlamaForCausalLM", "KVCache", "make_mesh", "DeepseekConfig",
-    "DeepseekForCausalLM", "init_deepseek",
+    "DeepseekForCausalLM", "init_deepseek", "QuantizationConfig",
 ]
 
 # --- Drafter and engine ---
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter
 from eagle3jax.drafter_io import draft_logits, init_drafter, load_drafter, save_drafter
 from eagle3jax.generate import GenerateResult, generate
+from eagle3jax.capture_contract import CaptureRecord
+from eagle3jax.monitor import AcceptanceWarning
 
 __all__ += ["DrafterConfig", "Eagle3Drafter", "draft_logits", "init_drafter", "load_drafter",
-            "save_drafter", "GenerateResult", "generate"]
+            "save_drafter", "GenerateResult", "generate", "CaptureRecord", "AcceptanceWarning"]
 
 
 # --- Drafter training ---

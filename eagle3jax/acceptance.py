@@ -10,6 +10,11 @@ draft was rejected), the number of accepted drafts (its depth) and the bonus tok
   its children in order; accept child x with probability p(x); on rejection set p(x) = 0 and
   renormalise; if a child is accepted, descend; otherwise draw the bonus from the residual
   distribution. Every emitted token is distributed exactly as the target's sampling.
+
+Logits and distributions may be sharded over the vocabulary (``eagle3jax.vocab_parallel``):
+the argmax, the probability of a draft token and the residual's mass are per-shard partial
+results combined over the tensor axis, and the bonus draw's Gumbel noise is drawn in the
+distribution's layout, so no row is ever gathered.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows, pick_rows
 
 
@@ -47,10 +53,10 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
   """
   b, p, v = probs.shape
   uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_depth, p)))(keys)   # [B, D, P]
-  gumbel = jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, 1), (v,)))(keys)
+  dist = vp.rows(probs[:, 0])                                                 # [B, V]
+  gumbel = vp.gumbel_rows(jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys), dist)
   vocab = jnp.arange(v, dtype=jnp.int32)[None, :]
   cur = bm(jnp.zeros((b,), jnp.int32))
-  dist = bm(probs[:, 0])
   descending = bm(jnp.ones((b,), bool))
   for level in range(max_depth):
     u_level = uniforms[:, level]                                                # [B, P]
@@ -69,12 +75,12 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
       zeroed = zeroed / jnp.maximum(mass, 1e-30)
       # If rounding left no mass at all, keep the distribution rather than an all-zero one.
       dist = jnp.where(reject[:, None] & (mass > 0), zeroed, dist)
-      return bm(jnp.where(accept, j, nxt)), bm(dist), bm(found | accept)
+      return bm(jnp.where(accept, j, nxt)), vp.rows(dist), bm(found | accept)
 
     nxt, dist, found = jax.lax.fori_loop(1, p, try_child,
                                          (cur, dist, bm(jnp.zeros((b,), bool))))
     # Descend into the accepted child; its distribution becomes the next level's.
-    dist = jnp.where(found[:, None], pick_rows(probs, nxt), dist)
+    dist = vp.rows(jnp.where(found[:, None], pick_rows(probs, nxt), dist))
     cur, descending = nxt, descending & found
   bonus = jnp.argmax(jnp.log(dist) + gumbel, axis=-1).astype(jnp.int32)
   return cur, pick_rows(depth, cur), bonus

@@ -34,8 +34,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--draft-tokens", type=int, default=8,
                  help="verified tokens per round, root included (chains use steps + 1)")
   p.add_argument("--mesh", default="1,1", help="DATA,TENSOR mesh shape")
-  p.add_argument("--aux-layer-convention", choices=("input", "output"), default=None,
-                 help="needed only for drafters whose config gives capture ids without one")
+  p.add_argument("--aux-layer-convention", choices=("input", "output", "auto"), default=None,
+                 help="needed only for drafters whose config gives capture ids without one "
+                      "(auto: measure both readings)")
+  p.add_argument("--no-verify-capture", action="store_true",
+                 help="skip the load-time capture check (record or probe)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--baseline", action="store_true",
@@ -77,7 +80,8 @@ def _run(args) -> int:
   dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
   target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype)
   drafter = eagle3jax.load_drafter(args.drafter, target=target,
-                                   aux_layer_convention=args.aux_layer_convention)
+                                   aux_layer_convention=args.aux_layer_convention,
+                                   verify_capture=not args.no_verify_capture)
   codec = None
   if args.prompt_ids is not None:
     try:
@@ -113,6 +117,7 @@ def _run(args) -> int:
       "text": codec.decode(out) if codec else None,
       "accept_length_mean": result.stats["accept_length_mean"],
       "acceptance_per_position": result.stats["acceptance_per_position"],
+      "accept_length_recorded": result.stats.get("accept_length_recorded"),
       "tokens_per_s": result.stats["tokens_per_s"],
   }
   if args.baseline:
@@ -137,6 +142,8 @@ def _run(args) -> int:
   print("\n")
   rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
           ("accept length (mean)", f"{report['accept_length_mean']:.2f}"),
+          ("accept length (held-out)", "not recorded" if report["accept_length_recorded"]
+           is None else f"{report['accept_length_recorded']:.2f} (drafter's record, this tree)"),
           ("acceptance per position",
            " ".join(f"{a:.2f}" for a in report["acceptance_per_position"])),
           ("tokens/s", f"{report['tokens_per_s']:.1f}")]

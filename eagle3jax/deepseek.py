@@ -39,6 +39,8 @@ from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.layers import RMSNorm, einsum, param
 from eagle3jax.llama import ACT, LlamaMLP
+from eagle3jax.quant import linear_param
+from eagle3jax.quant_config import layer_schemes
 from eagle3jax.rope import apply_rope
 from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LAYERS, LORA, SEQ,
                                 VOCAB, out_spec)
@@ -65,20 +67,27 @@ def rope_rotate(x: jax.Array, positions: jax.Array, cfg: DeepseekConfig) -> jax.
 class MLAttention(nnx.Module):
   """Multi-head latent attention; heads over ``tensor``, the down-projections replicated."""
 
-  def __init__(self, cfg: DeepseekConfig, dtype):
+  def __init__(self, cfg: DeepseekConfig, dtype, schemes=None):
     d, n, c = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    schemes = schemes or {}
+
+    def linear(name, shape, axes, n_out):
+      return linear_param(shape, axes, dtype, n_out=n_out,
+                          scheme=schemes.get("self_attn." + name))
+
     if cfg.q_lora_rank is None:
-      self.q_proj = param((d, n, cfg.qk_head_dim), (EMBED, HEADS, HEAD_DIM), dtype)
+      self.q_proj = linear("q_proj", (d, n, cfg.qk_head_dim), (EMBED, HEADS, HEAD_DIM), 2)
     else:
       r = cfg.q_lora_rank
-      self.q_a_proj = param((d, r), (EMBED, LORA), dtype)
+      self.q_a_proj = linear("q_a_proj", (d, r), (EMBED, LORA), 1)
       self.q_a_layernorm = RMSNorm(r, LATENT_NORM_EPS, dtype, axes=(LORA,))
-      self.q_b_proj = param((r, n, cfg.qk_head_dim), (LORA, HEADS, HEAD_DIM), dtype)
-    self.kv_a_proj_with_mqa = param((d, c + cfg.qk_rope_head_dim), (EMBED, LORA), dtype)
+      self.q_b_proj = linear("q_b_proj", (r, n, cfg.qk_head_dim), (LORA, HEADS, HEAD_DIM), 2)
+    self.kv_a_proj_with_mqa = linear("kv_a_proj_with_mqa", (d, c + cfg.qk_rope_head_dim),
+                                     (EMBED, LORA), 1)
     self.kv_a_layernorm = RMSNorm(c, LATENT_NORM_EPS, dtype, axes=(LORA,))
-    self.kv_b_proj = param((c, n, cfg.qk_nope_head_dim + cfg.v_head_dim),
-                           (LORA, HEADS, HEAD_DIM), dtype)
-    self.o_proj = param((n, cfg.v_head_dim, d), (HEADS, HEAD_DIM, EMBED), dtype)
+    self.kv_b_proj = linear("kv_b_proj", (c, n, cfg.qk_nope_head_dim + cfg.v_head_dim),
+                            (LORA, HEADS, HEAD_DIM), 2)
+    self.o_proj = linear("o_proj", (n, cfg.v_head_dim, d), (HEADS, HEAD_DIM, EMBED), 1)
     self.cfg = cfg
 
   def latents(self, x, positions):
@@ -149,18 +158,24 @@ class MLAttention(nnx.Module):
 class MoE(nnx.Module):
   """Sigmoid-scored, group-limited (noaux_tc) routed experts plus shared experts."""
 
-  def __init__(self, cfg: DeepseekConfig, dtype, impl: str = "auto"):
+  def __init__(self, cfg: DeepseekConfig, dtype, schemes=None, impl: str = "auto"):
     d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+    schemes = schemes or {}
     # The router stays float32 whatever the model dtype (as DeepSeek and transformers keep it).
     self.gate = param((d, e), (EMBED, None), jnp.float32)
     # Random init: normal, so that tests exercise the bias (checkpoints always carry it).
     self.e_score_correction_bias = param((e,), (None,), jnp.float32)
     # The F axis is not sharded: the tensor axis already splits the experts.
-    self.gate_proj = param((e, d, f), (EXPERT, EMBED, None), dtype)
-    self.up_proj = param((e, d, f), (EXPERT, EMBED, None), dtype)
-    self.down_proj = param((e, f, d), (EXPERT, None, EMBED), dtype)
+    # Quantized experts (eagle3jax.quant) hold values and scales [E, ...] sharded the same way.
+    self.gate_proj = linear_param((e, d, f), (EXPERT, EMBED, None), dtype, n_out=1,
+                                  scheme=schemes.get("mlp.gate_proj"))
+    self.up_proj = linear_param((e, d, f), (EXPERT, EMBED, None), dtype, n_out=1,
+                                scheme=schemes.get("mlp.up_proj"))
+    self.down_proj = linear_param((e, f, d), (EXPERT, None, EMBED), dtype, n_out=1,
+                                  scheme=schemes.get("mlp.down_proj"))
     if cfg.n_shared_experts:
-      self.shared_experts = LlamaMLP(d, f * cfg.n_shared_experts, dtype)
+      self.shared_experts = LlamaMLP(d, f * cfg.n_shared_experts, dtype, schemes,
+                                     "mlp.shared_experts.")
     self.cfg = cfg
     self.routing_config = moe_lib.RoutingConfig.from_deepseek(cfg)
     # The expert-compute path (eagle3jax.moe.IMPLS); "auto" picks by token count.
@@ -172,7 +187,7 @@ class MoE(nnx.Module):
                                    self.routing_config)
 
   def experts(self) -> moe_lib.Experts:
-    """The routed experts' stacked matrices."""
+    """The routed experts' stacked matrices (quantized stacks dequantized whole, as before)."""
     return moe_lib.Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
   def __call__(self, x):
@@ -185,14 +200,16 @@ class MoE(nnx.Module):
 
 
 class DeepseekDecoderLayer(DecoderLayer):
-  def __init__(self, cfg: DeepseekConfig, moe: bool, dtype):
+  """``schemes``: quantized linears by path inside the layer (``quant_config.layer_schemes``)."""
+
+  def __init__(self, cfg: DeepseekConfig, moe: bool, dtype, schemes=None):
     self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-    self.self_attn = MLAttention(cfg, dtype)
+    self.self_attn = MLAttention(cfg, dtype, schemes)
     self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
     if moe:
-      self.mlp = MoE(cfg, dtype)
+      self.mlp = MoE(cfg, dtype, schemes)
     else:
-      self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype)
+      self.mlp = LlamaMLP(cfg.hidden_size, cfg.intermediate_size, dtype, schemes)
 
 
 class DeepseekForCausalLM(DecoderLM):
@@ -200,22 +217,28 @@ class DeepseekForCausalLM(DecoderLM):
   ``eagle3jax.hf_deepseek.init_deepseek``. The forward is ``DecoderLM.__call__``; MLA always
   takes the XLA attention path (``attention_impl`` is accepted for the common contract)."""
 
-  def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32):
-    d, v = cfg.hidden_size, cfg.vocab_size
+  def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.float32, schemes=None):
+    """``schemes``: quantized linears by parameter name (``lm_head``, ``layers.{i}.<path>``;
+    ``eagle3jax.quant_config.linear_schemes``); None: every weight plain."""
+    d, v, n = cfg.hidden_size, cfg.vocab_size, cfg.num_hidden_layers
+    schemes = schemes or {}
     self.config = cfg
     self.embed_tokens = param((v, d), (VOCAB, EMBED), dtype)
     # Two stacks, each run as scans (eagle3jax.stack): the dense layers below
     # first_k_dense_replace, then the MoE layers.
-    k = min(cfg.first_k_dense_replace, cfg.num_hidden_layers)
+    k = min(cfg.first_k_dense_replace, n)
     if k:
+      dense = layer_schemes(schemes, 0, k)
       self.dense_layers = stack_lib.stack_layers(
-          lambda: DeepseekDecoderLayer(cfg, False, dtype), k, 0)
-    if cfg.num_hidden_layers > k:
+          lambda: DeepseekDecoderLayer(cfg, False, dtype, dense), k, 0)
+    if n > k:
+      moe = layer_schemes(schemes, k, n)
       self.moe_layers = stack_lib.stack_layers(
-          lambda: DeepseekDecoderLayer(cfg, True, dtype), cfg.num_hidden_layers - k, k)
+          lambda: DeepseekDecoderLayer(cfg, True, dtype, moe), n - k, k)
     self.norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
     if not cfg.tie_word_embeddings:
-      self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
+      self.lm_head = linear_param((d, v), (EMBED, VOCAB), dtype, n_out=1,
+                                  scheme=schemes.get("lm_head"))
 
   def layer_stacks(self):
     stacks = []

@@ -171,6 +171,46 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   log(f"done in {time.perf_counter() - t_start:.0f} s")
 
 
+# The held-out prompts the benchmark and the drafter's recorded acceptance use.
+HELDOUT = dict(n=8, length=48, seed=1234)
+HELDOUT_NEW_TOKENS = 128
+
+
+def heldout_prompts(out_dir: str, tok) -> list[list[int]]:
+  with open(os.path.join(out_dir, "manifest.json")) as f:
+    manifest = json.load(f)
+  return prompts_from(tok, read_files(manifest["heldout"]), **HELDOUT)
+
+
+def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
+                     log=print) -> dict:
+  """Writes ``out_dir/drafter`` again, without retraining: with the target's embedding, the
+  capture record (calibration ids: the first training prompt) and the held-out greedy
+  acceptance per tree shape (batch 1, as the benchmark). Returns that acceptance."""
+  import jax.numpy as jnp
+  import eagle3jax
+  from eagle3jax import monitor
+  from eagle3jax.text import TextCodec
+
+  target_dir = os.path.join(out_dir, "target")
+  drafter_dir = os.path.join(out_dir, "drafter")
+  tok = TextCodec(target_dir).tokenizer
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+  drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
+  with open(os.path.join(out_dir, "manifest.json")) as f:
+    train_texts = read_files(json.load(f)["train"])
+  calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
+  acceptance = monitor.measure_acceptance(
+      target, drafter, heldout_prompts(out_dir, tok), monitor.DEFAULT_SHAPES + ((5, 4, 8),),
+      max_new_tokens=HELDOUT_NEW_TOKENS, batch_size=1, eos_ids=[])
+  log(f"held-out acceptance: {acceptance}")
+  eagle3jax.save_drafter(drafter, drafter_dir, target=target, calibration_ids=calibration,
+                         acceptance=acceptance)
+  import ml_dtypes
+  _to_bf16(drafter_dir, ml_dtypes.bfloat16)
+  return acceptance
+
+
 def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log=print,
                  state_dir: str | None = None) -> None:
   """Trains ``out_dir/drafter`` for the (already built) ``out_dir/target``.
@@ -201,7 +241,8 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
                      ttt_steps=cfg.ttt_steps)
   with tempfile.TemporaryDirectory() as tmp:
     result = train_drafter(target, prompts, drafter_dir, dcfg,
-                           checkpoint_dir=state_dir or tmp, progress=False)
+                           checkpoint_dir=state_dir or tmp, progress=False,
+                           heldout_prompts=heldout_prompts(out_dir, tok))
   last = result.history[-1] if result.history else {}
   log(f"drafter: {len(result.history)} steps, coverage {result.vocab.coverage:.3f}, "
       f"last loss {last.get('loss')}, step accuracy {last.get('acc')}")

@@ -1,21 +1,17 @@
-"""Loading and saving EAGLE-3 drafters in the public ``LlamaForCausalLMEagle3`` layout, and the
-capture contract.
+"""Loading and saving EAGLE-3 drafters in the public ``LlamaForCausalLMEagle3`` layout.
 
-The capture contract (what the drafter was trained on is what it is served with):
-
-* ``eagle_config.eagle_aux_hidden_state_layer_ids`` with a recorded ``aux_layer_convention``
-  (``"output"``: id ``i`` is the output of layer ``i``, this project's convention; ``"input"``:
-  id ``i`` is the input of layer ``i``, i.e. the output of layer ``i - 1``) is used as recorded.
-* Ids without a convention are ambiguous (engines disagree by one layer): ``load_drafter``
-  refuses them unless ``aux_layer_convention=`` settles it, and logs the physical layers.
-* No ids at all: the official EAGLE-3 default, inputs of layers (2, L//2, L-3).
-
-``save_drafter`` always records ids in the project convention with the convention field, so a
-saved drafter reloads with no argument.
+How the capture ids of a config are read, and how ``load_drafter`` proves that the drafter sees
+the features it was trained on (the capture record, the probe), is
+``eagle3jax.capture_contract``. This module refuses what the one-layer drafter does not
+implement (unknown or unsupported config fields, NaN/Inf weights, d2t/t2d that do not map the
+draft vocabulary increasingly into the target's), shares the target's embedding when the file
+carries the same table, and writes drafters that other engines load as trained (the embedding
+included by default, the capture ids with their convention).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -28,63 +24,65 @@ import safetensors.numpy
 from flax import nnx
 from jax.sharding import Mesh
 
+from eagle3jax import capture_contract as contract
 from eagle3jax.capture import CaptureSpec
+from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.hf_target import read_config
 from eagle3jax.params import materialize, random_fill
-from eagle3jax.rope import RopeConfig
-from eagle3jax.safetensors_io import SafetensorsDir
+from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig
+from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR
 
 log = logging.getLogger("eagle3jax")
 
-CONVENTIONS = ("input", "output")
-_IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+# Drafter config fields that do not change the drafter's maths (or are checked below).
+_DRAFTER_FIELDS = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "tie_word_embeddings", "attention_dropout", "max_window_layers", "pretraining_tp",
+    "hidden_act", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
+    "draft_vocab_size", "target_hidden_size", "rope_theta", "rope_scaling", "rope_parameters",
+    "eagle_config", IDS_KEY, "aux_layer_convention", "num_hidden_layers", "attention_bias",
+    "mlp_bias", "norm_before_residual", "sliding_window", "use_sliding_window", "layer_types",
+})
+_EAGLE_FIELDS = frozenset({IDS_KEY, "use_aux_hidden_state", "aux_layer_convention"})
 
 
-def resolve_capture(hf: dict, num_target_layers: int,
-                    aux_layer_convention: str | None = None) -> tuple[CaptureSpec, str]:
-  """Applies the capture contract to a drafter ``config.json``; returns (spec, explanation)."""
-  if aux_layer_convention is not None and aux_layer_convention not in CONVENTIONS:
-    raise ValueError(f"aux_layer_convention={aux_layer_convention!r}; choose 'input' or "
-                     "'output'")
-  eagle = hf.get("eagle_config") or {}
-  ids = eagle.get(_IDS_KEY, hf.get(_IDS_KEY))
-  recorded = eagle.get("aux_layer_convention", hf.get("aux_layer_convention"))
-  if ids is None:
-    spec = CaptureSpec.eagle3_default(num_target_layers)
-    return spec, (f"no capture ids in the drafter config: using the official EAGLE-3 default "
-                  f"(inputs of layers 2, L//2, L-3) = outputs of layers {spec.as_list()}")
-  ids = [int(i) for i in ids]
-  if recorded is not None:
-    if recorded not in CONVENTIONS:
-      raise ValueError(f"drafter config aux_layer_convention={recorded!r} is not 'input' or "
-                       "'output'")
-    if aux_layer_convention is not None and aux_layer_convention != recorded:
-      raise ValueError(
-          f"aux_layer_convention={aux_layer_convention!r} contradicts the drafter config, "
-          f"which records {_IDS_KEY}={ids} with aux_layer_convention={recorded!r}; drop the "
-          "argument")
-    convention = recorded
-  elif aux_layer_convention is None:
-    as_input = [i - 1 for i in ids]
-    raise ValueError(
-        f"the drafter config gives {_IDS_KEY}={ids} without saying which convention they "
-        f"use, and engines disagree by one layer: read as 'input of layer k' (vLLM) they are "
-        f"the outputs of layers {as_input}; read as 'output of layer k' (SpecForge) they are "
-        f"the outputs of layers {ids}. Pass aux_layer_convention='input' or "
-        f"aux_layer_convention='output' to load_drafter (scripts/decode.py: "
-        f"--aux-layer-convention) with the convention the drafter was trained with")
-  else:
-    convention = aux_layer_convention
-  physical = [i - 1 for i in ids] if convention == "input" else ids
-  spec = CaptureSpec(tuple(physical))
-  spec.validate(num_target_layers)
-  return spec, (f"{_IDS_KEY}={ids} read as {convention!r} of layer k: captures the outputs of "
-                f"target layers {physical} (-1 = embedding)")
+def check_drafter_fields(hf: dict) -> None:
+  """Refuses drafter config fields eagle3jax does not implement, naming them (as the target
+  parser does): unknown fields, and known ones set to what this one-layer drafter does not
+  compute."""
+  unknown = sorted(k for k in hf if k not in _DRAFTER_FIELDS and not k.startswith("_"))
+  unknown += sorted(f"eagle_config.{k}" for k in (hf.get("eagle_config") or {})
+                    if k not in _EAGLE_FIELDS)
+  if unknown:
+    raise ValueError(f"drafter config.json has fields eagle3jax does not implement: {unknown}. "
+                     "Remove them if they are harmless, or use a supported drafter.")
+  bad = {}
+  if hf.get("num_hidden_layers", 1) != 1:
+    bad["num_hidden_layers"] = "an EAGLE-3 drafter here is one decoder layer"
+  for key in ("norm_before_residual", "attention_bias", "mlp_bias", "use_sliding_window"):
+    if hf.get(key):
+      bad[key] = "not implemented (must be false or absent)"
+  if hf.get("sliding_window") and hf.get("use_sliding_window", True):
+    bad["sliding_window"] = "sliding-window attention is not implemented"
+  if any(t != "full_attention" for t in hf.get("layer_types") or []):
+    bad["layer_types"] = "only 'full_attention' layers are implemented"
+  if (hf.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+    bad["eagle_config.use_aux_hidden_state"] = "EAGLE-3 drafters use the aux hidden states"
+  if (hf.get("pretraining_tp") or 1) != 1:
+    bad["pretraining_tp"] = "must be 1"
+  if bad:
+    raise ValueError("drafter config.json sets fields that change the drafter's maths in ways "
+                     "eagle3jax does not implement: " + "; ".join(
+                         f"{k}={hf.get(k, (hf.get('eagle_config') or {}).get(k.split('.')[-1]))!r}"
+                         f" ({why})" for k, why in bad.items()))
 
 
 def config_from_hf(hf: dict, capture: CaptureSpec) -> DrafterConfig:
+  check_drafter_fields(hf)
   act = hf.get("hidden_act", "silu")
   if act != "silu":
     raise ValueError(f"drafter config field hidden_act={act!r} is not supported (only 'silu')")
@@ -134,6 +132,9 @@ def _hf_name_and_transform(name: str, cfg: DrafterConfig):
   return table[name]
 
 
+EMBED_SAMPLE_ROWS = 64
+
+
 def _attach(drafter: Eagle3Drafter, target, mesh: Mesh) -> Eagle3Drafter:
   cfg = drafter.config
   if not drafter.own_embedding:
@@ -148,45 +149,80 @@ def _attach(drafter: Eagle3Drafter, target, mesh: Mesh) -> Eagle3Drafter:
   return drafter
 
 
-def check_pair(target, drafter_cfg: DrafterConfig) -> None:
-  """Raises ValueError when a drafter does not fit a target (vocab, widths, layers)."""
-  tcfg = target.config
-  if drafter_cfg.vocab_size != tcfg.vocab_size:
-    raise ValueError(f"drafter vocab_size={drafter_cfg.vocab_size} differs from the target's "
-                     f"vocab_size={tcfg.vocab_size}")
-  if drafter_cfg.feature_size != tcfg.hidden_size:
-    raise ValueError(f"drafter target_hidden_size={drafter_cfg.feature_size} differs from the "
-                     f"target's hidden_size={tcfg.hidden_size}")
-  drafter_cfg.capture.validate(tcfg.num_hidden_layers)
+def _same_embedding(file_table: np.ndarray, target) -> bool:
+  """Whether a drafter file's ``embed_tokens.weight`` is the target's table (seeded rows
+  compared at bf16 precision), so the target's array can be shared instead of copied."""
+  table = target.embed_tokens[...]
+  if tuple(file_table.shape) != tuple(table.shape):
+    return False
+  rows = np.random.default_rng(0).choice(table.shape[0], min(EMBED_SAMPLE_ROWS, table.shape[0]),
+                                         replace=False)
+  with jax.set_mesh(target.mesh):
+    ours = table.at[jnp.asarray(np.sort(rows))].get(out_sharding=jax.sharding.PartitionSpec())
+  ours = np.asarray(jax.device_get(ours), np.float32)
+  theirs = np.asarray(file_table[np.sort(rows)], np.float32)
+  return bool(np.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * np.abs(ours).max()))
+
+
+def check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int,
+                     where: str) -> None:
+  """d2t maps the draft vocabulary strictly increasingly into ``[0, vocab_size)``; t2d (when
+  given) marks exactly those target ids."""
+  d2t = np.asarray(d2t).astype(np.int64)
+  ids = np.arange(len(d2t)) + d2t
+  if len(ids) and (ids.min() < 0 or ids.max() >= vocab_size):
+    raise ValueError(f"{where}: d2t maps draft ids to target ids outside [0, {vocab_size}) "
+                     f"(min {ids.min()}, max {ids.max()}); d2t[i] must be target_id(i) - i")
+  if np.any(np.diff(ids) <= 0):
+    i = int(np.argmax(np.diff(ids) <= 0))
+    raise ValueError(f"{where}: d2t does not map the draft vocabulary increasingly into the "
+                     f"target vocabulary (draft ids {i}, {i + 1} -> target ids {ids[i]}, "
+                     f"{ids[i + 1]}); the draft vocabulary is sorted by target id, and "
+                     "d2t[i] = target_id(i) - i")
+  if t2d is not None:
+    t2d = np.asarray(t2d).astype(bool)
+    if len(t2d) != vocab_size or t2d.sum() != len(ids) or not t2d[ids].all():
+      raise ValueError(f"{where}: t2d (marks {int(t2d.sum())} of {len(t2d)} target ids) does "
+                       f"not agree with d2t ({len(ids)} draft ids); t2d must be True exactly "
+                       "at the target ids i + d2t[i]")
 
 
 def load_drafter(path: str, *, target, mesh: Mesh | None = None,
-                 aux_layer_convention: str | None = None, dtype=None) -> Eagle3Drafter:
+                 aux_layer_convention: str | None = None, dtype=None,
+                 verify_capture: bool = True) -> Eagle3Drafter:
   """Loads an EAGLE-3 drafter checkpoint (public ``LlamaForCausalLMEagle3`` layout).
 
   Args:
-    path: directory with ``config.json`` and ``model.safetensors``.
+    path: directory with ``config.json`` and ``model.safetensors`` (and, when written by
+      eagle3jax, ``eagle3jax_record.json``: see ``eagle3jax.capture_contract``).
     target: the target model it drafts for (its embedding is shared).
-    mesh: defaults to the target's mesh.
-    aux_layer_convention: ``"input"`` or ``"output"``; required only when the config gives
-      capture ids without a recorded convention (see the module docstring).
+    mesh: must be the target's mesh (the default).
+    aux_layer_convention: ``"input"``, ``"output"`` or ``"auto"`` (measure both); required
+      only when the config gives capture ids without a recorded convention.
     dtype: parameter dtype (default: the target's).
+    verify_capture: with a capture record, recompute the recorded target features and refuse
+      a mismatch; without one, probe the drafter's agreement with the target under each
+      reading of its ids and refuse a configured list that scores far below another.
+      ``False`` skips both (for users who know better).
   """
-  mesh = mesh or target.mesh
+  contract.check_mesh(target, mesh)
+  mesh = target.mesh
   hf = read_config(path)
-  capture, explanation = resolve_capture(hf, target.num_layers, aux_layer_convention)
-  log.info("drafter %s: %s", path, explanation)
+  capture, explanation, readings = resolve_capture(hf, target.num_layers, aux_layer_convention)
   cfg = config_from_hf(hf, capture)
   check_pair(target, cfg)
+  record = contract.read_record(path)
   tensors = SafetensorsDir(path)
-  own = "embed_tokens.weight" in tensors
   fc_in = tensors.shape("fc.weight")[1] if "fc.weight" in tensors else None
   if fc_in is not None and fc_in != capture.width(cfg.feature_size):
     raise ValueError(
         f"drafter fc.weight takes {fc_in} input features, but the capture spec "
         f"{capture.as_list()} gives {len(capture.layer_ids)} x {cfg.feature_size} = "
         f"{capture.width(cfg.feature_size)}: the capture list does not match the drafter")
-  used = set()
+  own = "embed_tokens.weight" in tensors and not _same_embedding(
+      tensors.get("embed_tokens.weight"), target)
+  used = {"embed_tokens.weight"} if "embed_tokens.weight" in tensors else set()
+  where = f"drafter checkpoint {path!r}"
 
   def fill(name, shape, init):
     hf_name, fn = _hf_name_and_transform(name, cfg)
@@ -195,7 +231,7 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
         return np.zeros(shape, np.int32)  # full vocabulary: draft id == target id
       if name == "t2d" and cfg.draft_vocab_size == cfg.vocab_size:
         return np.ones(shape, bool)
-      raise ValueError(f"drafter checkpoint {path!r} is missing weight {hf_name!r}"
+      raise ValueError(f"{where} is missing weight {hf_name!r}"
                        + (" (without d2t, draft ids cannot be mapped to target ids)"
                           if name in ("d2t", "t2d") else ""))
     used.add(hf_name)
@@ -207,23 +243,68 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
     if out is None or tuple(out.shape) != tuple(shape):
       raise ValueError(f"drafter weight {hf_name!r} has shape {tuple(w.shape)}, which does not "
                        f"fit the config (expected {shape} after the layout change)")
+    check_finite(out, hf_name, where)
     return out
 
+  if "d2t" in tensors:
+    check_vocab_maps(tensors.get("d2t"), tensors.get("t2d") if "t2d" in tensors else None,
+                     cfg.vocab_size, where)
   dtype = dtype or target.dtype
   kv_repeat = drafter_kv_repeat(cfg, mesh.shape[TENSOR])
   drafter = materialize(lambda: Eagle3Drafter(cfg, kv_repeat=kv_repeat, own_embedding=own,
                                               dtype=dtype), mesh, fill, kv_repeat)
   extra = sorted(set(tensors.names) - used)
   if extra:
-    raise ValueError(f"drafter checkpoint {path!r} has unexpected weights {extra[:8]}")
+    raise ValueError(f"{where} has unexpected weights {extra[:8]}")
+  drafter = _attach(drafter, target, mesh)
+  drafter.capture_record = record
+  if verify_capture:
+    explanation = _verify(drafter, target, record, capture, readings, aux_layer_convention,
+                          hf, explanation, where)
+  log.info("drafter %s: %s", path, explanation)
   drafter.capture_explanation = explanation
-  return _attach(drafter, target, mesh)
+  return drafter
+
+
+def _verify(drafter, target, record, capture, readings, convention, hf, explanation,
+            where) -> str:
+  """The load-time capture check (record, else probe); may settle an ``"auto"`` reading."""
+  ids, recorded = contract.config_ids(hf)
+  ambiguous = ids is not None and recorded is None and convention == "auto"
+  if record is not None:
+    if ambiguous:  # the record settles which reading was trained
+      verdict_errors = []
+      for conv in contract.CONVENTIONS:
+        if conv in readings:
+          try:
+            note = contract.verify_record(record, target, readings[conv], where=where)
+            drafter.config = dataclasses.replace(drafter.config, capture=readings[conv])
+            return f"{IDS_KEY}={ids} read as {conv!r} (settled by the capture record); {note}"
+          except ValueError as e:
+            verdict_errors.append(e)
+      raise verdict_errors[-1]
+    return explanation + "; " + contract.verify_record(record, target, capture, where=where)
+  if ids is None or len(readings) < 2:
+    return explanation + "; no capture record and nothing to compare the capture with"
+  scores = contract.probe_capture(target, drafter, readings)
+  if ambiguous:
+    conv = max((c for c in contract.CONVENTIONS if c in scores), key=scores.get)
+    drafter.config = dataclasses.replace(drafter.config, capture=readings[conv])
+    chosen = conv
+    explanation = (f"{IDS_KEY}={ids} read as {conv!r} (probed): captures the outputs of "
+                   f"target layers {readings[conv].as_list()}")
+  else:
+    chosen = recorded or convention
+  return explanation + "; " + contract.judge_probe(scores, readings, chosen, where=where)
 
 
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
                  seed: int = 0, std: float = 0.02, d2t=None) -> Eagle3Drafter:
   """A randomly initialised drafter for ``target`` (optionally with a draft-vocab ``d2t``)."""
-  mesh = mesh or target.mesh
+  contract.check_mesh(target, mesh)
+  mesh = target.mesh
+  if d2t is not None:
+    check_vocab_maps(d2t, None, target.config.vocab_size, "init_drafter")
   check_pair(target, cfg)
   base = random_fill(seed, std)
 
@@ -243,6 +324,7 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   drafter = materialize(lambda: Eagle3Drafter(cfg, kv_repeat=kv_repeat, dtype=dtype), mesh,
                         fill, kv_repeat)
   drafter.capture_explanation = "initialised in eagle3jax"
+  drafter.capture_record = None
   return _attach(drafter, target, mesh)
 
 
@@ -250,13 +332,33 @@ def _host(x) -> np.ndarray:
   return np.asarray(jax.device_get(x))
 
 
-def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
-  """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout.
+def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
+                 target=None, calibration_ids=None, acceptance: dict | None = None) -> None:
+  """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout, and the
+  capture record ``eagle3jax_record.json``.
 
   The capture ids are recorded in the project convention with ``aux_layer_convention:
   "output"``, so ``load_drafter(path, target=...)`` needs no convention argument.
+
+  Args:
+    drafter: the drafter to write.
+    path: output directory.
+    include_embedding: write the (target's) token embedding as ``embed_tokens.weight``. The
+      official EAGLE-3 loader silently keeps a random embedding when the file has none and
+      the config names ``target_hidden_size``; ``False`` leaves it out for engines that share
+      the target's.
+    target: the target it drafts for; with it a fresh capture record is taken
+      (``eagle3jax.capture_contract``). Without it the drafter's loaded record, if any, is
+      written again (its ``acceptance`` merged).
+    calibration_ids: token ids the record's features are taken at (default: seeded ids of the
+      draft vocabulary; ``train_drafter`` passes training tokens).
+    acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.
   """
   cfg = drafter.config
+  if cfg.rope.rope_type not in LLAMA_ROPE_TYPES:
+    raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
+                     f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
+                     "YaRN attention factor), so no engine would load it back as trained")
   os.makedirs(path, exist_ok=True)
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
@@ -285,7 +387,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
       "d2t": _host(drafter.d2t[...]).astype(np.int64),
       "t2d": _host(drafter.t2d[...]).astype(bool),
   }
-  if drafter.own_embedding:
+  if include_embedding or drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
   tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -303,11 +405,21 @@ def save_drafter(drafter: Eagle3Drafter, path: str) -> None:
           "low_freq_factor": cfg.rope.low_freq_factor,
           "high_freq_factor": cfg.rope.high_freq_factor,
           "original_max_position_embeddings": cfg.rope.original_max_position_embeddings},
-      "eagle_config": {_IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
+      "eagle_config": {IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
                        "aux_layer_convention": "output"},
   }
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
+  record = getattr(drafter, "capture_record", None)
+  if target is not None:
+    ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
+           else calibration_ids)
+    old = dict(record.acceptance) if record is not None else {}
+    record = contract.make_record(target, cfg.capture, ids, acceptance=old)
+  if record is not None and record.capture == cfg.capture.layer_ids:
+    contract.write_record(path, record.with_acceptance(acceptance or {}))
+  elif os.path.exists(os.path.join(path, contract.RECORD_FILE)):
+    os.remove(os.path.join(path, contract.RECORD_FILE))  # a stale record would mislead
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",))

@@ -15,6 +15,10 @@ and stop state live in the ``DecodeState`` pytree):
    which replaces the tree K/V with real context and yields the next root output.
 
 ``drafter=None`` runs plain autoregressive decoding through the same target code.
+
+Target and drafter logits stay sharded over the vocabulary (``tensor`` axis) through every step:
+argmax, the tree's top-k, sampling and rejection sampling reduce them shard by shard
+(``eagle3jax.vocab_parallel``); no step gathers a vocabulary row.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from eagle3jax import acceptance, tree as tree_lib
+from eagle3jax import acceptance, tree as tree_lib, vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.kv_cache import KVCache, write
 from eagle3jax.sampling import SamplingParams, probabilities, sample
@@ -93,7 +97,7 @@ def _pick(spec: EngineSpec, logits, dyn: Dynamic, keys):
   if spec.sampling.greedy:
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
-  return jax.vmap(sample)(jax.vmap(jax.random.wrap_key_data)(keys), probs)
+  return sample(jax.vmap(jax.random.wrap_key_data)(keys), probs)
 
 
 def _split_keys(keys):
@@ -166,7 +170,7 @@ def _draft_tree(drafter, st: DecodeState, spec: EngineSpec):
   tree = spec.tree
   k, m = tree.topk, st.target_cache.lengths
   b = m.shape[0]
-  vals, ids = jax.lax.top_k(_log_softmax(drafter.logits(st.d_hidden[:, None])[:, 0]), k)
+  vals, ids = vp.top_k(_log_softmax(drafter.logits(st.d_hidden[:, None])[:, 0]), k)
   toks = drafter.to_target_ids(ids)
   pool_tok, pool_score = [toks], [vals]
   pool_parent = [bm(jnp.full((b, k), -1, jnp.int32))]
@@ -181,7 +185,7 @@ def _draft_tree(drafter, st: DecodeState, spec: EngineSpec):
     anc = anc | jax.nn.one_hot(slot0 + jnp.arange(k), window, dtype=bool)[None]
     positions = bm(jnp.broadcast_to((m - 1 + j)[:, None], (b, k)))
     a, dcache = drafter(f_tok, f_hidden, positions, dcache, anc, write_at=m + slot0)
-    v2, i2 = jax.lax.top_k(_log_softmax(drafter.logits(a)), k)             # [B, k, k]
+    v2, i2 = vp.top_k(_log_softmax(drafter.logits(a)), k)                  # [B, k, k]
     cum = (f_score[:, :, None] + v2).reshape(b, k * k)
     c_tok = bm(drafter.to_target_ids(i2).reshape(b, k * k))
     cum = bm(cum)

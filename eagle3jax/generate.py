@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -13,7 +14,9 @@ from flax import nnx
 
 from eagle3jax import engine as eng
 from eagle3jax.attention import ATTENTION_IMPLS, default_attention_impl
-from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax import capture_contract as contract
+from eagle3jax import monitor
+from eagle3jax.capture import CaptureSpec
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.tree import TreeShape
@@ -33,22 +36,6 @@ def prompt_bucket(n: int) -> int:
   return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
 
 
-def check_capture(drafter, capture) -> CaptureSpec:
-  """The capture contract at serving time: what the drafter was trained on, or a loud error."""
-  trained = drafter.config.capture
-  capture = as_capture_spec(capture)
-  if capture is None:
-    return trained
-  if capture.layer_ids != trained.layer_ids:
-    raise ValueError(
-        f"capture layers {capture.as_list()} differ from the layers the drafter was trained on "
-        f"{trained.as_list()} (project convention: id i = output of target layer i, -1 = "
-        f"embedding). Serving a drafter with other hidden states than its training data "
-        f"silently destroys acceptance; pass capture=None to use the drafter's "
-        f"{trained.as_list()}")
-  return dataclasses.replace(capture, layout=capture.layout)
-
-
 def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
     raise ValueError("prompts must be a non-empty list of token-id lists")
@@ -56,6 +43,10 @@ def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
   for i, p in enumerate(prompts):
     if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
       raise ValueError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+    arr = np.asarray(p)
+    if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+      raise ValueError(f"prompts[{i}] must hold integer token ids; got {arr.dtype} values "
+                       f"{arr.ravel()[:5].tolist()}")
     p = [int(t) for t in p]
     if not p:
       raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
@@ -120,8 +111,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   prompts = _validate_prompts(prompts, cfg.vocab_size)
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
-  if temperature < 0:
-    raise ValueError(f"temperature={temperature} must be >= 0")
+  if not np.isfinite(temperature) or temperature < 0:
+    raise ValueError(f"temperature={temperature} must be a finite number >= 0")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
   if top_k < 0 or top_k > cfg.vocab_size:
@@ -144,7 +135,14 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     if topk == 1:
       num_draft_tokens = num_steps + 1
     tree = TreeShape(num_steps, topk, num_draft_tokens)
-    spec_capture = check_capture(drafter, capture)
+    contract.check_mesh(target, drafter.mesh)
+    spec_capture = contract.check_serving_capture(drafter, capture)
+    if longest + max_new_tokens + num_steps > drafter.config.max_position_embeddings:
+      warnings.warn(
+          f"positions up to {longest + max_new_tokens + num_steps} exceed the drafter's "
+          f"max_position_embeddings={drafter.config.max_position_embeddings} (its training "
+          "length): its RoPE is untrained there and acceptance usually falls (output stays "
+          "correct)", stacklevel=2)
     spec_capture.validate(cfg.num_hidden_layers)
     if drafter.config.feature_size != cfg.hidden_size:
       raise ValueError(f"drafter target_hidden_size={drafter.config.feature_size} differs from "
@@ -153,6 +151,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                                                            top_k=int(top_k)),
                         capture=spec_capture, attention_impl=impl)
   eos = cfg.eos_token_ids if eos_ids is None else tuple(int(e) for e in eos_ids)
+  if any(not 0 <= e < cfg.vocab_size for e in eos):
+    raise ValueError(f"eos_ids={list(eos)} must be token ids in [0, vocab_size="
+                     f"{cfg.vocab_size})")
   eos_arr = np.full((max(1, len(eos)),), -1, np.int32)
   eos_arr[:len(eos)] = eos
 
@@ -216,4 +217,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
       "compile_s": c1 + c2,
   }
+  if drafter is not None:
+    monitor.compare(stats, drafter, tree.num_steps, tree.topk, tree.num_draft_tokens,
+                    greedy=temperature == 0.0)
   return GenerateResult(result, stats)

@@ -9,6 +9,12 @@ weights raise ``ValueError`` with the names. Tensors that are not part of the la
 forward are skipped: rotary buffers, DeepSeek's multi-token-prediction layers
 (``model.layers.{L}.*``), and in a Kimi-K2.5 checkpoint (language model under
 ``language_model.``) the vision tower and projector, named once in a log line.
+
+Quantized checkpoints (``eagle3jax.quant_config``: FP8 blocks, compressed-tensors INT4) are
+placed as stored with ``quantization="keep"``: each quantized module (a layer's experts
+together) is converted to the device layout of ``eagle3jax.quant`` once, its values and scales
+placed one after the other, so at most one layer's host copies exist at a time; with
+``"dequantize"`` they are dequantized on the host.
 """
 
 from __future__ import annotations
@@ -25,7 +31,10 @@ from eagle3jax.config import LlamaConfig
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
 from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
 from eagle3jax.params import materialize, random_fill
-from eagle3jax.safetensors_io import SafetensorsDir
+from eagle3jax.quant import part_of
+from eagle3jax.quant_config import QuantizationConfig, linear_schemes
+from eagle3jax.quant_io import read_dequantized, read_quantized
+from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR, single_device_mesh
 from eagle3jax import weights as weights_lib
 
@@ -34,6 +43,7 @@ log = logging.getLogger("eagle3jax")
 # Checkpoint tensors that are derived buffers, not weights.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
+QUANTIZATION_MODES = ("keep", "dequantize")
 # Where Kimi-K2.5 (KimiK25ForConditionalGeneration) keeps its language model.
 LANGUAGE_MODEL = "language_model."
 # Keys of DeepSeek's own inference configs (inference/configs/config_671B.json), which are not
@@ -76,14 +86,23 @@ def refuse_unexpected(path: str, extra, model_type: str) -> None:
 
 
 def target_factory(hf_cfg: dict, mesh: Mesh, dtype, quantization: str = "keep"):
-  """(config, model factory, weight table, kv_repeat) of a parsed ``config.json``."""
+  """(config, model factory, weight table, kv_repeat) of a parsed ``config.json``.
+
+  ``quantization="keep"``: the linears the config's ``quantization_config`` quantizes are
+  ``eagle3jax.quant.QuantizedParam``s; ``"dequantize"``: every weight plain.
+  """
   check_hf_config(hf_cfg)
+  if quantization not in QUANTIZATION_MODES:
+    raise ValueError(f"quantization={quantization!r}; choose one of {QUANTIZATION_MODES}")
   if hf_model_type(hf_cfg) in DEEPSEEK_MODEL_TYPES:
     from eagle3jax.deepseek import DeepseekForCausalLM  # pylint: disable=import-outside-toplevel
     from eagle3jax.deepseek_config import DeepseekConfig  # pylint: disable=import-outside-toplevel
     cfg = DeepseekConfig.from_hf(hf_cfg)
-    return (cfg, lambda: DeepseekForCausalLM(cfg, dtype=dtype), weights_lib.deepseek_table(cfg),
-            1)
+    table = weights_lib.deepseek_table(cfg)
+    qcfg = QuantizationConfig.from_hf(hf_cfg)
+    schemes = (linear_schemes(qcfg, table, cfg.num_hidden_layers) if quantization == "keep"
+               else {})
+    return cfg, lambda: DeepseekForCausalLM(cfg, dtype=dtype, schemes=schemes), table, 1
   cfg = LlamaConfig.from_hf(hf_cfg)
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
   return cfg, factory, weights_lib.llama_table(cfg), kv_repeat
@@ -95,14 +114,20 @@ def _llama_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
   return (lambda: LlamaForCausalLM(cfg, kv_repeat=kv_repeat, dtype=dtype)), kv_repeat
 
 
-def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
+def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
+                quantization: str = "keep"):
   """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2/Kimi-K2.5 checkpoint.
 
   Args:
     path: directory with ``config.json`` and ``model.safetensors`` (or a sharded
       ``model.safetensors.index.json``).
     mesh: a mesh from ``eagle3jax.sharding.make_mesh`` (default: one device).
-    dtype: parameter dtype.
+    dtype: parameter dtype (of quantized weights: the dtype they dequantize to).
+    quantization: for FP8-block and compressed-tensors INT4 checkpoints (see
+      ``eagle3jax.quant_config``): ``"keep"`` places the weights as stored (e4m3 / packed
+      int4 plus their scales, sharded like the weight) and dequantizes them inside the jitted
+      forward next to their matmul (``eagle3jax.quant``); ``"dequantize"`` dequantizes them on
+      the host to ``dtype``.
 
   Returns:
     A ``LlamaForCausalLM`` (or, for ``model_type`` ``deepseek_v3``/``kimi_k2`` and Kimi-K2.5's
@@ -114,23 +139,41 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
   """
   mesh = mesh or single_device_mesh()
   hf_cfg = read_config(path)
-  cfg, factory, table, kv_repeat = target_factory(hf_cfg, mesh, dtype)
+  cfg, factory, table, kv_repeat = target_factory(hf_cfg, mesh, dtype, quantization)
+  qcfg = QuantizationConfig.from_hf(hf_cfg)
   tensors = SafetensorsDir(path)
   prefix = (LANGUAGE_MODEL if "model.embed_tokens.weight" not in tensors
             and LANGUAGE_MODEL + "model.embed_tokens.weight" in tensors else "")
-  from eagle3jax.hf_deepseek import fp8_block_size, read_dequantized  # pylint: disable=import-outside-toplevel
-  block = fp8_block_size(hf_cfg)
   used = set()
+  last = {}  # the last quantized module converted: {name: {"values": ..., "scale": ...}}
 
   def read(hf):
     full = prefix + hf
-    if full not in tensors:
+    module = full.removesuffix(".weight")
+    if full not in tensors and module + ".weight_packed" not in tensors:
       raise ValueError(f"checkpoint {path!r} is missing weight {full!r}")
-    used.add(full)
-    return read_dequantized(tensors, full, block, used)
+    return read_dequantized(tensors, full, qcfg, used)
+
+  def fill_quantized(name, part):
+    module = name.rsplit(".", 1)[0]
+    if module not in last:
+      entry = table.entry(module)
+      entry = weights_lib.Entry(tuple(prefix + n for n in entry.hf_names), entry.layout)
+      try:
+        values, scale = read_quantized(tensors, entry, qcfg.scheme, used)
+      except ValueError as e:
+        raise ValueError(f"checkpoint {path!r}: {e}") from None
+      first = entry.hf_names[0]
+      check_finite(values, first, f"checkpoint {path!r}")
+      check_finite(scale, first.removesuffix(".weight") + " scales", f"checkpoint {path!r}")
+      last.clear()
+      last[module] = {"values": values, "scale": scale}
+    return last[module][part]
 
   def fill(name, shape, init):
-    del init
+    quantized = part_of(init)
+    if quantized is not None:
+      return fill_quantized(name, quantized[1])
     entry = table.entry(name)
     ws = [read(hf) for hf in entry.hf_names]
     first = prefix + entry.hf_names[0]
@@ -141,6 +184,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16):
     if out is None or tuple(out.shape) != tuple(shape):
       raise ValueError(f"weight {first!r} has shape {tuple(ws[0].shape)}, which does not fit "
                        f"the config (expected {shape} after the layout change)")
+    check_finite(out, first, f"checkpoint {path!r}")
     return out
 
   model = materialize(factory, mesh, fill, kv_repeat)

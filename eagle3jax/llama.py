@@ -28,6 +28,7 @@ from eagle3jax import stack as stack_lib
 from eagle3jax.config import LlamaConfig
 from eagle3jax.decoder import ACT, DecoderLayer, DecoderLM
 from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.quant import linear_param
 from eagle3jax.rope import apply_rope
 from eagle3jax.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB
 
@@ -88,10 +89,17 @@ class LlamaAttention(nnx.Module):
 
 
 class LlamaMLP(nnx.Module):
-  def __init__(self, d: int, f: int, dtype):
-    self.gate_proj = param((d, f), (EMBED, MLP), dtype)
-    self.up_proj = param((d, f), (EMBED, MLP), dtype)
-    self.down_proj = param((f, d), (MLP, EMBED), dtype)
+  """SwiGLU MLP; ``schemes`` (path -> ``QuantScheme``, paths ``prefix + "gate_proj"`` ...)
+  quantizes its linears (``eagle3jax.quant``; DeepSeek's dense and shared-expert MLPs)."""
+
+  def __init__(self, d: int, f: int, dtype, schemes=None, prefix: str = "mlp."):
+    schemes = schemes or {}
+    self.gate_proj = linear_param((d, f), (EMBED, MLP), dtype, n_out=1,
+                                  scheme=schemes.get(prefix + "gate_proj"))
+    self.up_proj = linear_param((d, f), (EMBED, MLP), dtype, n_out=1,
+                                scheme=schemes.get(prefix + "up_proj"))
+    self.down_proj = linear_param((f, d), (MLP, EMBED), dtype, n_out=1,
+                                  scheme=schemes.get(prefix + "down_proj"))
 
   def __call__(self, x):
     gate = jnp.einsum("BTD,DF->BTF", x, self.gate_proj[...])

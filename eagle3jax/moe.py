@@ -48,6 +48,7 @@ flattens.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import NamedTuple
 
@@ -55,7 +56,6 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from eagle3jax import stack as stack_lib
 from eagle3jax.sharding import out_spec, shard
 
 IMPLS = ("auto", "reference", "gather", "tiles", "ragged")
@@ -65,8 +65,20 @@ _NORM_EPS = 1e-20
 # Largest tile of the "tiles" path (rows per expert matrix read).
 _MAX_TILE = 128
 # Tiles per step of the tiles loop (XLA:CPU's per-iteration overhead dominates small tiles;
-# ``eagle3jax.stack.unrolled`` unrolls it fully, for cost_analysis).
+# ``unrolled_tiles`` unrolls it fully, for cost_analysis).
 _TILE_UNROLL = 16
+_UNROLL_TILES = [False]
+
+
+@contextlib.contextmanager
+def unrolled_tiles():
+  """Traces the tiles loop fully unrolled, so that ``cost_analysis`` (which counts a loop body
+  once) counts every tile. Serving never unrolls."""
+  _UNROLL_TILES.append(True)
+  try:
+    yield
+  finally:
+    _UNROLL_TILES.pop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +294,7 @@ def _tiles(x, ids, weights, experts, tile):
         ut, lambda: _swiglu_rows(xt, take(experts.gate, et), take(experts.up, et),
                                  take(experts.down, et), wt),
         lambda: jnp.zeros_like(xt))
-  unroll = True if stack_lib.is_unrolled() else min(nt, _TILE_UNROLL)
+  unroll = True if _UNROLL_TILES[-1] else min(nt, _TILE_UNROLL)
   _, y = jax.lax.scan(one_tile, None, (x[tok].reshape(nt, tile, -1), tile_e,
                                        w.reshape(nt, tile), used), unroll=unroll)  # [nt, tile, D]
   return jnp.zeros_like(x).at[tok].add(y.reshape(nt * tile, -1))

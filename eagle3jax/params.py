@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from eagle3jax import quant
 from eagle3jax.sharding import KV_HEADS, LAYERS, param_spec
 
 # fill(path, logical_shape, init) -> host array in the logical (unreplicated) shape.
@@ -44,33 +45,60 @@ def materialize(factory: Callable[[], nnx.Module], mesh: Mesh, fill: Fill,
   abstract = nnx.eval_shape(factory)
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
-  leaves = []
-  for path, var in flat:
-    meta = var.get_metadata()
-    axes = meta.get("axes")
-    value = var.get_value()
-    shape, dtype = tuple(value.shape), value.dtype
-    name = path_str(path)
-    if axes is None:
-      raise ValueError(f"parameter {name} has no logical axes")
-    sharding = NamedSharding(mesh, param_spec(axes, shape, mesh))
-    init = meta.get("init", "normal")
-    if axes[0] != LAYERS:
-      arr = _place(fill(name, _logical(shape, axes, kv_repeat), init), name, shape, axes,
-                   dtype, sharding, kv_repeat)
-    else:  # a layer stack: one layer at a time into its slot
-      offset = meta.get("layer_offset", 0)
-      rest = path_str(path[1:])
-      layer_sharding = NamedSharding(mesh, P(*tuple(sharding.spec)[1:]))
-      arr = _zeros(shape, dtype, sharding)
-      for i in range(shape[0]):
-        layer_name = f"layers.{offset + i}.{rest}"
-        piece = _place(fill(layer_name, _logical(shape[1:], axes[1:], kv_repeat), init),
-                       layer_name, shape[1:], axes[1:], dtype, layer_sharding, kv_repeat)
-        arr = _set_layer(arr, piece, i)
-    leaves.append(var.replace(arr))
+  leaves = [None] * len(flat)
+  for unit in _units(flat):
+    first_meta = flat[unit[0]][1].get_metadata()
+    if first_meta.get("axes") is None:
+      raise ValueError(f"parameter {path_str(flat[unit[0]][0])} has no logical axes")
+    if first_meta["axes"][0] != LAYERS:
+      for j in unit:
+        path, var = flat[j]
+        meta, value = var.get_metadata(), var.get_value()
+        shape, axes = tuple(value.shape), meta["axes"]
+        sharding = NamedSharding(mesh, param_spec(axes, shape, mesh))
+        host = fill(path_str(path), _logical(shape, axes, kv_repeat), meta.get("init", "normal"))
+        leaves[j] = var.replace(_place(host, path_str(path), shape, axes, value.dtype, sharding,
+                                       kv_repeat))
+      continue
+    # A layer stack: one layer at a time into its slot; the parts of a quantized weight
+    # (values, scale) are filled together, so a loader converts each layer's module once.
+    arrays = {}
+    for j in unit:
+      value = flat[j][1].get_value()
+      axes = flat[j][1].get_metadata()["axes"]
+      arrays[j] = _zeros(tuple(value.shape), value.dtype,
+                         NamedSharding(mesh, param_spec(axes, value.shape, mesh)))
+    for i in range(flat[unit[0]][1].get_value().shape[0]):
+      for j in unit:
+        path, var = flat[j]
+        meta, value = var.get_metadata(), var.get_value()
+        shape, axes = tuple(value.shape), meta["axes"]
+        layer_name = f"layers.{meta.get('layer_offset', 0) + i}.{path_str(path[1:])}"
+        layer_sharding = NamedSharding(mesh, P(*tuple(param_spec(axes, shape, mesh))[1:]))
+        host = fill(layer_name, _logical(shape[1:], axes[1:], kv_repeat),
+                    meta.get("init", "normal"))
+        piece = _place(host, layer_name, shape[1:], axes[1:], value.dtype, layer_sharding,
+                       kv_repeat)
+        arrays[j] = _set_layer(arrays[j], piece, i)
+    for j in unit:
+      leaves[j] = flat[j][1].replace(arrays[j])
   state = nnx.from_flat_state([(p, v) for (p, _), v in zip(flat, leaves)])
   return nnx.merge(graphdef, state)
+
+
+def _units(flat) -> list[list[int]]:
+  """Indices of ``flat`` grouped into fill units: the parts of one quantized weight
+  (``eagle3jax.quant``: same parent path) together, every other parameter alone."""
+  units, parents = [], {}
+  for j, (path, var) in enumerate(flat):
+    if quant.part_of(var.get_metadata().get("init", "normal")) is None:
+      units.append([j])
+    elif tuple(path[:-1]) in parents:
+      units[parents[tuple(path[:-1])]].append(j)
+    else:
+      parents[tuple(path[:-1])] = len(units)
+      units.append([j])
+  return units
 
 
 def _logical(shape, axes, kv_repeat: int) -> tuple[int, ...]:
@@ -104,8 +132,12 @@ def _set_layer(stack: jax.Array, piece: jax.Array, i) -> jax.Array:
 
 
 def random_fill(seed: int = 0, std: float = 0.02) -> Fill:
-  """Seeded N(0, std) weights, ones for norms, zeros for biases; identical on every mesh."""
+  """Seeded N(0, std) weights, ones for norms, zeros for biases, quantized weights of about
+  that size (``quant.random_part``); identical on every mesh."""
   def fill(name, shape, init):
+    if quant.part_of(init) is not None:
+      rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+      return quant.random_part(init, shape, rng, std)
     if init == "ones":
       return np.ones(shape, np.float32)
     if init == "zeros":

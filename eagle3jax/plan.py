@@ -19,17 +19,15 @@ and per speculative round: FLOPs and bytes accessed (``compiled.cost_analysis()`
 roofline estimate of the round's time on the named device and the tokens/s that gives at a
 stated acceptance length.
 
-``cost_analysis`` counts a loop body once, and the layers run as ``lax.scan`` loops, so the
-round's cost is measured on shallow variants of the same model compiled with the layer scans
-unrolled (``eagle3jax.stack.unrolled``: 2 and 3 layers; DeepSeek: 1+1, 2+1 and 1+2 dense+MoE
-layers), fitted linearly in the number of layers of each kind, and extrapolated to the real
-depth. Costs come from XLA:CPU's optimised program (its fusion decisions, not a GPU's), so the
+``cost_analysis`` counts a loop body once, and the layers run as ``lax.scan`` loops, so each
+stack's per-layer cost is measured by compiling the round again with one layer of each scan
+segment peeled out of its loop (``eagle3jax.stack.peeled``), and added for the iterations the
+loops run beyond the one counted (see ``round_cost``). Costs come from XLA:CPU's optimised program (its fusion decisions, not a GPU's), so the
 roofline is a first estimate, to be compared with a real run (``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import time
@@ -95,10 +93,10 @@ def _per_device_bytes(tree) -> int:
 def _drafter_capture(hf: dict, num_layers: int) -> CaptureSpec:
   """The drafter's capture ids; either convention reads the same amount, so ambiguous ids are
   read as outputs (ids clipped to the target's depth when the drafter is for a deeper one)."""
-  from eagle3jax.drafter_io import resolve_capture  # pylint: disable=import-outside-toplevel
+  from eagle3jax.capture_contract import resolve_capture  # pylint: disable=import-outside-toplevel
   eagle = hf.get("eagle_config") or {}
   recorded = eagle.get("aux_layer_convention", hf.get("aux_layer_convention"))
-  spec, _ = resolve_capture(hf, num_layers, None if recorded else "output")
+  spec, _, _ = resolve_capture(hf, num_layers, None if recorded else "output")
   return spec
 
 
@@ -111,7 +109,8 @@ def build(hf_cfg: dict, drafter_hf: dict | None, mesh, *, dtype=jnp.bfloat16,
   target = nnx.eval_shape(factory)
   drafter, capture = None, None
   if drafter_hf is not None:
-    from eagle3jax.drafter_io import check_pair, config_from_hf  # pylint: disable=import-outside-toplevel
+    from eagle3jax.capture_contract import check_pair  # pylint: disable=import-outside-toplevel
+    from eagle3jax.drafter_io import config_from_hf  # pylint: disable=import-outside-toplevel
     capture = _drafter_capture(drafter_hf, cfg.num_hidden_layers)
     dcfg = config_from_hf(drafter_hf, capture)
     check_pair(target, dcfg)
@@ -144,65 +143,49 @@ def _engine_spec(capture, steps, topk, draft_tokens):
                         capture=capture)
 
 
-def _shallow(hf_cfg: dict, dense: int, moe: int | None) -> dict:
-  """``hf_cfg`` with ``dense`` (+ ``moe``) layers (text_config of a wrapper included)."""
-  hf = copy.deepcopy(hf_cfg)
-  text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
-  if moe is None:
-    text["num_hidden_layers"] = dense
-  else:
-    text["num_hidden_layers"] = dense + moe
-    text["first_k_dense_replace"] = dense
-  return hf
+def _layer_counts(target, capture) -> dict[int, tuple[int, int, int]]:
+  """Per stack (by its first layer's global index): ``(layers, segments, segments of two or
+  more layers)`` of one forward that captures ``capture``."""
+  stacks = target.layer_stacks()
+  bounds = [(off, off + stack_lib.stack_size(st)) for st, off in stacks]
+  cuts = [] if capture is None else [i for i in capture.layer_ids if i >= 0]
+  segs = stack_lib.segments(bounds, cuts)
+  out = {}
+  for s, (lo, hi) in enumerate(bounds):
+    mine = [(a, b) for t, a, b in segs if t == s]
+    out[lo] = (hi - lo, len(mine), sum(1 for a, b in mine if b - a >= 2))
+  return out
 
 
-def _shallow_drafter(drafter_hf, num_layers):
-  if drafter_hf is None:
-    return None
-  hf = copy.deepcopy(drafter_hf)
-  eagle = dict(hf.get("eagle_config") or {})
-  eagle["eagle_aux_hidden_state_layer_ids"] = [-1, 0, num_layers - 1]
-  eagle["aux_layer_convention"] = "output"
-  hf["eagle_config"] = eagle
-  hf.pop("eagle_aux_hidden_state_layer_ids", None)
-  return hf
+def _cost(compiled) -> np.ndarray:
+  cost = compiled.cost_analysis()
+  return np.asarray([float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))])
 
 
-def round_cost(hf_cfg, drafter_hf, mesh, *, dtype, quantization, batch, max_len, steps, topk,
-               draft_tokens, log=print) -> dict:
-  """Per-device FLOPs and bytes accessed of one decode round at the real depth, fitted from
-  shallow unrolled variants (see the module docstring)."""
-  is_deepseek = hf_model_type(hf_cfg) in DEEPSEEK_MODEL_TYPES
-  if is_deepseek:
-    text = hf_cfg.get("text_config", hf_cfg)
-    total = text["num_hidden_layers"]
-    dense_n = min(int(text.get("first_k_dense_replace") or 0), total)
-    variants, real = [(1, 1), (2, 1), (1, 2)], (dense_n, total - dense_n)
-  else:
-    total = (hf_cfg.get("text_config") or hf_cfg)["num_hidden_layers"]
-    variants, real = [(2, None), (3, None)], (total, None)
-  costs = []
-  for dense, moe in variants:
-    layers = dense + (moe or 0)
-    hf = _shallow(hf_cfg, dense, moe)
-    graphdef, params, target, drafter, capture = build(
-        hf, _shallow_drafter(drafter_hf, layers), mesh, dtype=dtype, quantization=quantization)
-    spec = _engine_spec(capture, steps, topk, draft_tokens)
-    with stack_lib.unrolled():
-      _, decode, _ = _lower(graphdef, params, target, capture, spec, batch, 16, max_len)
+def round_cost(graphdef, params, target, capture, spec, *, batch, max_len, decode_compiled,
+               log=print) -> dict:
+  """Per-device FLOPs and bytes accessed of one decode round at the real depth.
+
+  ``cost_analysis`` counts a loop body once: the compiled round holds each scan segment's layer
+  once. For each stack the round is compiled again with every segment's first layer peeled out
+  of its scan (``eagle3jax.stack.peeled``); the difference is that stack's per-layer cost times
+  the number of peeled segments, and the round's cost is the scanned program's plus the layers
+  its loops run beyond the one they count. Every other part of the round (the drafter, the
+  commit over the stacked caches, sampling) is counted as compiled at the real size.
+  """
+  base = _cost(decode_compiled)
+  total = base.copy()
+  for offset, (layers, nseg, npeel) in _layer_counts(target, capture).items():
+    if npeel == 0:
+      continue  # every segment is one layer: already counted exactly
     t0 = time.perf_counter()
-    cost = decode.compile().cost_analysis()
-    log(f"  cost variant {dense}+{moe or 0} layers compiled in {time.perf_counter() - t0:.1f} s")
-    costs.append((float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))))
-  c = np.asarray(costs)
-  if is_deepseek:
-    per_dense, per_moe = c[1] - c[0], c[2] - c[0]
-    base = c[0] - per_dense - per_moe
-    est = base + real[0] * per_dense + real[1] * per_moe
-  else:
-    per_layer = c[1] - c[0]
-    est = c[0] - 2 * per_layer + real[0] * per_layer
-  return {"flops": float(est[0]), "bytes": float(est[1])}
+    with stack_lib.peeled({offset}):
+      _, decode, _ = _lower(graphdef, params, target, capture, spec, batch, 16, max_len)
+      per_layer = (_cost(decode.compile()) - base) / npeel
+    log(f"  per-layer cost of the stack at layer {offset} compiled in "
+        f"{time.perf_counter() - t0:.1f} s")
+    total += (layers - nseg) * per_layer
+  return {"flops": float(total[0]), "bytes": float(total[1])}
 
 
 def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor: int = 8,
@@ -279,9 +262,8 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     }
     if with_cost:
       t0 = time.perf_counter()
-      cost = round_cost(hf_cfg, drafter_hf, mesh, dtype=dtype, quantization=quantization,
-                        batch=batch, max_len=max_len, steps=steps, topk=topk,
-                        draft_tokens=draft_tokens, log=log)
+      cost = round_cost(graphdef, params, target, capture, spec, batch=batch, max_len=max_len,
+                        decode_compiled=decode_c, log=log)
       round_s = max(cost["flops"] / dev.flops_per_s, cost["bytes"] / dev.hbm_bytes_per_s)
       result.update({
           "flops_per_round": cost["flops"], "bytes_per_round": cost["bytes"],

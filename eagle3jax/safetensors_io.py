@@ -40,6 +40,28 @@ class SafetensorsFile:
     self._header = header
     self._base = 8 + n
     self._mm = None
+    self._check_extents(os.path.getsize(path) - self._base)
+
+  def _check_extents(self, data_bytes: int) -> None:
+    """Every tensor's byte range lies in the file and fits its shape and dtype (a truncated
+    or corrupt file is named here with the tensor, not found later as a reshape error)."""
+    for name, info in self._header.items():
+      try:
+        start, end = (int(x) for x in info["data_offsets"])
+        shape = [int(d) for d in info["shape"]]
+        dtype = info["dtype"]
+      except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{self.path}: tensor {name!r} has a malformed header entry "
+                         f"{info!r}") from None
+      if end > data_bytes or start > end:
+        raise ValueError(f"{self.path}: tensor {name!r} needs bytes {start}..{end} of the "
+                         f"data section, but the file holds only {data_bytes} (truncated or "
+                         "corrupt file; download it again)")
+      if dtype in _DTYPES and end - start != int(np.prod(shape)) * np.dtype(
+          _DTYPES[dtype]).itemsize:
+        raise ValueError(f"{self.path}: tensor {name!r} of shape {shape} and dtype {dtype} "
+                         f"should take {int(np.prod(shape)) * np.dtype(_DTYPES[dtype]).itemsize}"
+                         f" bytes but its header gives {end - start} (corrupt file)")
 
   @property
   def names(self) -> list[str]:
@@ -100,3 +122,18 @@ class SafetensorsDir:
 
   def get(self, name: str) -> np.ndarray:
     return self._files[self._where[name]].get(name)
+
+
+def check_finite(array: np.ndarray, name: str, where: str) -> None:
+  """Raises ValueError naming ``name`` when a float weight holds NaN or Inf."""
+  a = np.asarray(array)
+  if a.dtype.kind != "f" and "float" not in str(a.dtype):
+    return  # integer / bool / packed quantised data
+  total = np.sum(a, dtype=np.float32)
+  if np.isfinite(total):
+    return
+  bad = a.astype(np.float32)
+  nan, inf = int(np.isnan(bad).sum()), int(np.isinf(bad).sum())
+  if nan or inf:
+    raise ValueError(f"{where}: weight {name!r} holds {nan} NaN and {inf} Inf values; the "
+                     "checkpoint is corrupt (or was saved after a diverged training step)")

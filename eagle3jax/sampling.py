@@ -7,6 +7,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from eagle3jax import vocab_parallel as vp
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
@@ -26,23 +28,19 @@ def probabilities(logits: jax.Array, temperature: jax.Array, top_p: jax.Array,
   """Float32 probabilities ``[..., V]`` after temperature, top-k and top-p (nucleus).
 
   Top-p keeps the smallest set of most likely tokens whose mass reaches ``top_p`` (always at
-  least the most likely token), as ``transformers`` does.
+  least the most likely token), as ``transformers`` does. ``logits`` may be sharded over the
+  vocabulary; the result keeps that layout (see ``eagle3jax.vocab_parallel``).
   """
   logits = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
   if top_k > 0:
-    kth = jax.lax.top_k(logits, top_k)[0][..., -1:]
+    kth = vp.top_k(logits, top_k)[0][..., -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)
   probs = jax.nn.softmax(logits, axis=-1)
-  sorted_probs = -jnp.sort(-probs, axis=-1)
-  mass_before = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs
-  # The least likely kept token's probability: everything at least as likely is kept.
-  threshold = jnp.min(jnp.where(mass_before < top_p, sorted_probs, jnp.inf), axis=-1,
-                      keepdims=True)
-  # top_p = 1 keeps everything (float32 cumulative sums can reach 1 before the tail).
-  probs = jnp.where((probs >= threshold) | (top_p >= 1.0), probs, 0.0)
+  probs = jnp.where(vp.nucleus_mask(probs, top_p), probs, 0.0)
   return probs / jnp.sum(probs, axis=-1, keepdims=True)
 
 
-def sample(key: jax.Array, probs: jax.Array) -> jax.Array:
-  """One draw from ``probs [V]`` (float32, sums to 1)."""
-  return jax.random.categorical(key, jnp.log(probs)).astype(jnp.int32)
+def sample(keys: jax.Array, probs: jax.Array) -> jax.Array:
+  """One draw per row from ``probs [B, V]`` (float32, rows sum to 1) with typed ``keys [B]``:
+  the Gumbel-max trick, noise drawn in ``probs``' layout (as ``jax.random.categorical``)."""
+  return jnp.argmax(jnp.log(probs) + vp.gumbel_rows(keys, probs), axis=-1).astype(jnp.int32)

@@ -28,24 +28,23 @@ from flax import nnx
 from eagle3jax.sharding import LAYERS
 
 
-_UNROLL = [False]
+_PEEL: list[frozenset] = [frozenset()]
 
 
 @contextlib.contextmanager
-def unrolled():
-  """Traces layer scans fully unrolled (for ``cost_analysis``, which counts a loop body once;
-  ``eagle3jax.plan`` uses it on shallow variants of a model). Serving never unrolls."""
-  _UNROLL.append(True)
+def peeled(offsets):
+  """Traces each segment of the stacks starting at ``offsets`` (segments of two or more layers)
+  with its first layer outside the scan, i.e. one more copy of the layer's program.
+
+  ``cost_analysis`` counts a loop body once, so the cost of one layer of a stack is the
+  difference between a program compiled with it and without it (``eagle3jax.plan``). Serving
+  never peels.
+  """
+  _PEEL.append(frozenset(offsets))
   try:
     yield
   finally:
-    _UNROLL.pop()
-
-
-def is_unrolled() -> bool:
-  """Whether scans are being traced unrolled (inside ``unrolled()``); other loops whose cost
-  matters (the MoE tiles, ``eagle3jax.moe``) follow it too."""
-  return _UNROLL[-1]
+    _PEEL.pop()
 
 
 def stack_layers(factory: Callable[[], nnx.Module], count: int, offset: int = 0) -> nnx.Module:
@@ -126,6 +125,8 @@ def scan_layers(stack: nnx.Module, offset: int, start: int, end: int, x: jax.Arr
     x, k_buf, v_buf = step(layer, x, k_all[g], v_all[g])
     return (x, (k_all.at[g].set(k_buf), v_all.at[g].set(v_buf))), None
 
-  (x, cache_kv), _ = jax.lax.scan(body, (x, cache_kv), jnp.arange(start, end, dtype=jnp.int32),
-                                  unroll=_UNROLL[-1])
+  if offset in _PEEL[-1] and end - start >= 2:
+    (x, cache_kv), _ = body((x, cache_kv), jnp.int32(start))
+    start += 1
+  (x, cache_kv), _ = jax.lax.scan(body, (x, cache_kv), jnp.arange(start, end, dtype=jnp.int32))
   return x, cache_kv

@@ -3,7 +3,9 @@
 Model code names *logical* axes (``EMBED``, ``HEADS``, ...), never mesh axes. Two tables map
 logical names to mesh axes: one for parameters and one for activations. The rules are the
 usual tensor-parallel layout of serving engines: attention heads and MLP columns over
-``tensor``, a vocab-parallel embedding and LM head, the batch over ``data``.
+``tensor``, a vocab-parallel embedding and LM head, the batch over ``data``. Logits keep the
+head's layout (vocabulary over ``tensor``): argmax, top-k, sampling and rejection sampling
+reduce them shard by shard (``eagle3jax.vocab_parallel``), never gathering whole rows.
 
 A mesh axis is dropped (that dimension replicated) when it does not divide the dimension, so a
 tiny test model with 3 KV heads still runs on ``tensor=8``; for KV heads the target model
@@ -55,7 +57,7 @@ ACTIVATION_RULES: dict[str, str | None] = {
     KV_HEADS: TENSOR,
     HEAD_DIM: None,
     MLP: TENSOR,
-    VOCAB: None,       # logits are gathered to full width: sampling needs whole rows
+    VOCAB: TENSOR,     # logits stay vocab-parallel: eagle3jax.vocab_parallel reduces them
     EXPERT: TENSOR,
     LORA: None,
     CAPTURE: None,

@@ -10,6 +10,8 @@ import numpy as np
 import safetensors.torch
 import torch
 import transformers
+from compressed_tensors.compressors.pack_quantized.helpers import (pack_to_int32,
+                                                                   unpack_from_int32)
 
 # Every path alive: YaRN (factor > 1, mscale == mscale_all_dim != 0, positions past 16),
 # group-limited routing (2 groups, 1 allowed), a shared expert, one dense layer, q_lora.
@@ -148,3 +150,88 @@ def dequantized_copy(src: str, dst: str) -> None:
   safetensors.torch.save_file(out, os.path.join(dst, "model.safetensors"))
   with open(os.path.join(dst, "config.json"), "w") as f:
     json.dump(cfg, f)
+
+
+# --- Kimi-K2.5 as published: kimi_k25 wrapper, INT4 experts (compressed-tensors) ---
+
+KIMI_K25_QUANT = {
+    "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "format": "pack-quantized", "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"], "input_activations": None, "output_activations": None,
+        "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "dynamic": False, "actorder": None,
+                    "block_structure": None, "observer": "minmax", "observer_kwargs": {}}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"],
+}
+_EXPERT = re.compile(r".*\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+
+
+def quantize_int4(w: np.ndarray, group: int = 32):
+  """Symmetric INT4 per ``group`` in-elements of a row: (int8 ``q`` in [-8, 7], bf16 scale
+  ``[out, ceil(in/group)]``) with ``w ~= q * scale``."""
+  out, inn = w.shape
+  n = -(-inn // group)
+  pad = np.zeros((out, n * group), np.float32)
+  pad[:, :inn] = w
+  amax = np.abs(pad.reshape(out, n, group)).max(-1)
+  scale = torch.from_numpy(np.maximum(amax, 1e-8) / 7.0).to(torch.bfloat16)
+  full = scale.float().numpy().repeat(group, 1)[:, :inn]
+  q = np.clip(np.round(w / full), -8, 7).astype(np.int8)
+  return torch.from_numpy(q), scale
+
+
+def to_kimi_k25_int4_checkpoint(src: str, dst: str, group: int = 32) -> None:
+  """Copies DeepSeek-V3 checkpoint ``src`` to ``dst`` as Kimi-K2.5 publishes it: routed experts
+  INT4 (packed with compressed-tensors' own ``pack_to_int32``), the rest as stored, text
+  weights under ``language_model.``, a vision tensor, a ``kimi_k25`` config wrapper."""
+  os.makedirs(dst, exist_ok=True)
+  tensors = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
+  out = {"vision_tower.patch_embed.proj.weight": torch.ones(4, 3),
+         "mm_projector.linear_1.weight": torch.ones(2, 2)}
+  for name, w in tensors.items():
+    if _EXPERT.match(name):
+      q, scale = quantize_int4(w.float().numpy(), group)
+      module = "language_model." + name.removesuffix(".weight")
+      out[module + ".weight_packed"] = pack_to_int32(q, 4)
+      out[module + ".weight_scale"] = scale
+      out[module + ".weight_shape"] = torch.tensor(list(w.shape))
+    else:
+      out["language_model." + name] = w
+  safetensors.torch.save_file(out, os.path.join(dst, "model.safetensors"))
+  with open(os.path.join(src, "config.json")) as f:
+    text = json.load(f)
+  quant = json.loads(json.dumps(KIMI_K25_QUANT))
+  quant["config_groups"]["group_0"]["weights"]["group_size"] = group
+  cfg = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"],
+         "text_config": text, "vision_config": {"model_type": "moonvit"},
+         "quantization_config": quant}
+  with open(os.path.join(dst, "config.json"), "w") as f:
+    json.dump(cfg, f)
+
+
+def int4_dequantized_copy(src: str, dst: str) -> None:
+  """Writes Kimi-K2.5-style INT4 checkpoint ``src`` as a plain float32 DeepSeek-V3 checkpoint
+  (unpacked with compressed-tensors' ``unpack_from_int32``, times the scales)."""
+  os.makedirs(dst, exist_ok=True)
+  tensors = safetensors.torch.load_file(os.path.join(src, "model.safetensors"))
+  with open(os.path.join(src, "config.json")) as f:
+    cfg = json.load(f)
+  group = cfg["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"]
+  out = {}
+  for name, w in tensors.items():
+    if not name.startswith("language_model.") or name.endswith(("_scale", "_shape")):
+      continue
+    name = name.removeprefix("language_model.")
+    if name.endswith(".weight_packed"):
+      module = "language_model." + name.removesuffix(".weight_packed")
+      shape = torch.Size(tensors[module + ".weight_shape"].tolist())
+      q = unpack_from_int32(w, 4, shape).float()
+      s = tensors[module + ".weight_scale"].float().repeat_interleave(group, 1)[:, :shape[1]]
+      out[name.removesuffix("_packed")] = q * s
+    else:
+      out[name] = w.float()
+  safetensors.torch.save_file(out, os.path.join(dst, "model.safetensors"))
+  with open(os.path.join(dst, "config.json"), "w") as f:
+    json.dump(cfg["text_config"], f)

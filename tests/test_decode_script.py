@@ -26,7 +26,8 @@ def dirs(tmp_path_factory):
   target = eagle3jax.load_target(str(target_dir), dtype=jnp.float32)
   cfg = eagle3jax.DrafterConfig.for_target(target.config,
                                            eagle3jax.CaptureSpec.eagle3_default(8))
-  eagle3jax.save_drafter(eagle3jax.init_drafter(cfg, target=target, seed=3), str(drafter_dir))
+  eagle3jax.save_drafter(eagle3jax.init_drafter(cfg, target=target, seed=3), str(drafter_dir),
+                         target=target, acceptance={"3,1,4": 1.5})
   return str(target_dir), str(drafter_dir)
 
 
@@ -37,9 +38,10 @@ def test_json_with_baseline(dirs, capsys):
   assert rc == 0
   report = json.loads(capsys.readouterr().out)  # stdout holds exactly one JSON object
   for key in ("output_ids", "text", "accept_length_mean", "acceptance_per_position",
-              "tokens_per_s", "baseline_tokens_per_s", "speedup", "matches_baseline"):
+              "accept_length_recorded", "tokens_per_s", "baseline_tokens_per_s", "speedup", "matches_baseline"):
     assert key in report
   assert len(report["output_ids"]) == 12 and report["matches_baseline"] is True
+  assert report["accept_length_recorded"] == 1.5  # the drafter's record at (3, 1, 4)
   assert report["text"].split()[0].startswith("w") or report["text"].split()[0].startswith("<")
 
 
@@ -50,6 +52,7 @@ def test_streaming_text_and_stats_table(dirs, capsys):
               "--draft-tokens", "5"]) == 0
   out = capsys.readouterr().out
   assert "accept length (mean)" in out and "tokens/s" in out
+  assert "accept length (held-out)" in out and "not recorded" in out  # none at (3, 2, 5)
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -72,5 +75,5 @@ def test_script_help_runs():
                        text=True, check=True).stdout
   for flag in ("--target", "--drafter", "--prompt", "--prompt-ids", "--max-new-tokens",
                "--temperature", "--top-p", "--steps", "--topk", "--draft-tokens", "--mesh",
-               "--aux-layer-convention", "--baseline", "--json"):
+               "--aux-layer-convention", "--no-verify-capture", "--baseline", "--json"):
     assert flag in out

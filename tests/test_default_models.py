@@ -5,6 +5,7 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -19,7 +20,8 @@ def test_shipped_folder_is_complete_and_small():
   total = 0
   for d, _, files in os.walk(ROOT):
     total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
-  assert total <= 30 * 2**20, f"{total / 2**20:.1f} MiB"
+  # 31.3 MiB: the drafter carries the target's embedding (4 MiB, issue 14 part 5).
+  assert total <= 32 * 2**20, f"{total / 2**20:.1f} MiB"
   with open(os.path.join(ROOT, "manifest.json")) as f:
     manifest = json.load(f)
   assert manifest["train"] and manifest["heldout"]
@@ -53,6 +55,33 @@ def test_shipped_pair_decodes_losslessly():
                             num_steps=5, topk=1)
   assert spec.tokens == base.tokens
   assert spec.stats["accept_length_mean"] > 1.5  # the trained drafter is right often
+  assert "capture record verified" in drafter.capture_explanation
+  assert spec.stats["accept_length_recorded"] == 4.25  # held-out, at (5, 1, 6)
+
+
+def test_shipped_drafter_carries_embedding_and_record_and_refuses_the_seed_rewrite(tmp_path):
+  import shutil
+  from eagle3jax.safetensors_io import SafetensorsFile
+  st = SafetensorsFile(os.path.join(DEFAULT_DRAFTER, "model.safetensors"))
+  tst = SafetensorsFile(os.path.join(DEFAULT_TARGET, "model.safetensors"))
+  np.testing.assert_array_equal(st.get("embed_tokens.weight"),
+                                tst.get("model.embed_tokens.weight"))
+  # bf16 target on a 2x4 mesh: the fp32 record still matches, the embedding is shared.
+  target = eagle3jax.load_target(DEFAULT_TARGET, dtype=jnp.bfloat16,
+                                 mesh=eagle3jax.make_mesh(2, 4))
+  drafter = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=target)
+  assert "capture record verified" in drafter.capture_explanation
+  assert drafter.embed_tokens is target.embed_tokens
+  # The seed's bug on the shipped pair: [-1, 1, 5] written where training used [1, 5, 8].
+  path = str(tmp_path / "drafter")
+  shutil.copytree(DEFAULT_DRAFTER, path)
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = json.load(f)
+  cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [-1, 1, 5]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(ValueError, match=r"\[-1, 1, 5\].*those of layers \[1, 5, 8\]"):
+    eagle3jax.load_drafter(path, target=target)
 
 
 def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import eagle3jax
-from eagle3jax import moe, stack
+from eagle3jax import moe
 from eagle3jax.sharding import BATCH, EMBED, EXPERT, SEQ, activation_spec, param_sharding
 
 D, F = 16, 12
@@ -172,7 +172,7 @@ def test_expert_parallel_equals_one_device(mesh_shape):
 # --- cost scales with top-k, not with E ---
 
 def _flops(fn, *args):
-  with stack.unrolled():  # the tiles loop counted once per tile
+  with moe.unrolled_tiles():  # the tiles loop counted once per tile
     return jax.jit(fn).lower(*args).compile().cost_analysis()["flops"]
 
 

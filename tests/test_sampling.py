@@ -1,16 +1,17 @@
 """Sampling losslessness: speculative sampling draws the same distribution as the target.
 
-On a 7-token vocabulary, the joint distribution of the first three generated tokens of many
-independent rows (one PRNG key per row) under speculative sampling is compared with plain
-autoregressive sampling by a chi-square test of homogeneity (fixed seeds; significance 0.001,
-cells with expected count < 5 pooled). The same test also shows it has power: a different
-temperature is rejected.
+On a 7-token vocabulary (and an 8-token one split over tensor = 8), the joint distribution of
+the first three generated tokens of many independent rows (one PRNG key per row) under
+speculative sampling is compared with plain autoregressive sampling by a chi-square test of
+homogeneity (fixed seeds; significance 0.001, cells with expected count < 5 pooled). The same
+test also shows it has power: a different temperature is rejected.
 """
 
 import math
 
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import eagle3jax
 from tests import engine_helpers as h
@@ -72,3 +73,22 @@ def test_speculative_sampling_matches_autoregressive(pair, temperature, top_p, t
     other, _ = _first3(tgt, None, 0.6, top_p, seed=11)
     stat2, critical2 = chi2_homogeneity(other, spec, 7)
     assert stat2 > critical2, f"chi2={stat2:.1f} <= {critical2:.1f}"
+
+
+def test_speculative_sampling_on_tensor8_matches_single_device():
+  """Vocabulary-parallel sampling: V = 8 over tensor = 8 (one column per device), with top-k
+  and top-p; speculative sampling on the mesh draws what autoregressive sampling draws on one
+  device."""
+  cfg = eagle3jax.LlamaConfig.tiny(vocab_size=8, num_hidden_layers=8, eos_token_ids=())
+  one = eagle3jax.init_target(cfg, seed=5, std=0.35)
+  sharded = eagle3jax.init_target(cfg, mesh=eagle3jax.make_mesh(1, 8), seed=5, std=0.35)
+  assert sharded.lm_head[...].sharding.spec == P(None, "tensor")
+  ar, _ = _first3(one, None, 0.8, 0.9, seed=11, top_k=5)
+  spec, stats = _first3(sharded, h.copy_drafter(sharded), 0.8, 0.9, seed=23, num_steps=3,
+                        topk=2, num_draft_tokens=5, top_k=5)
+  assert stats["accept_length_mean"] > 1.05
+  stat, critical = chi2_homogeneity(ar, spec, 8)
+  assert stat < critical, f"chi2={stat:.1f} >= {critical:.1f}"
+  other, _ = _first3(one, None, 0.8, 0.6, seed=11, top_k=5)  # power: another top-p differs
+  stat2, critical2 = chi2_homogeneity(other, spec, 8)
+  assert stat2 > critical2, f"chi2={stat2:.1f} <= {critical2:.1f}"

@@ -120,14 +120,40 @@ def _extend(graphdef, state, tokens, positions, cache, tree_mask, capture):
   return nnx.merge(graphdef, state)(tokens, positions, cache, tree_mask, capture)
 
 
-def test_trainer_features_equal_forward_and_engine_captures(target, data):
+def test_trainer_features_equal_transformers_and_engine_captures(target, data, tmp_path):
+  import torch
+  import transformers
+  from eagle3jax.hf_export import save_target
   _, d = data
   trainer = training.Trainer(target, _drafter(target, d), d, CFG)
+  with pytest.raises(AttributeError):
+    trainer.capture = eagle3jax.CaptureSpec((0, 1, 2))  # fixed at construction
   tokens = d.tokens
-  aux, logits = trainer.features(tokens)
-  ref = eagle3jax.forward(target, tokens, capture=CAPTURE)
-  np.testing.assert_array_equal(np.asarray(aux), np.asarray(ref.aux_hidden))
-  np.testing.assert_array_equal(np.asarray(logits), np.asarray(ref.logits))
+  feats = trainer.features(tokens)
+  aux = feats.aux
+  # An independent computation: transformers' Llama on the exported weights; capture i is
+  # hidden_states[i + 1] (none of (1, 3, 6) is the last of 8 layers, which HF normalises).
+  save_target(target, str(tmp_path / "hf"), dtype=np.float32)
+  hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"),
+                                                         dtype=torch.float32).eval()
+  with torch.no_grad():
+    out = hf(torch.as_tensor(tokens, dtype=torch.long), output_hidden_states=True)
+  hs = [h.numpy() for h in out.hidden_states]
+  ours = np.split(np.asarray(aux), len(CAPTURE.layer_ids), axis=-1)
+  # Relative errors: std-0.5 weights make activations of magnitude ~1e3; neighbouring layers
+  # differ by more than 0.3.
+  for i, got in zip(CAPTURE.layer_ids, ours):
+    errors = [np.linalg.norm(got - h) / np.linalg.norm(h) for h in hs[:-1]]
+    assert errors[i + 1] < 1e-4 and int(np.argmin(errors)) == i + 1, (i, errors)
+  # The logits reduced inside the forward's jit: the draft vocabulary's columns (exactly
+  # eagle3jax.forward's, and transformers' within 1e-4) and the full-vocabulary argmax.
+  ids = np.arange(DRAFT_VOCAB) + np.asarray(trainer.drafter.d2t[...])
+  ours_full = np.asarray(eagle3jax.forward(target, tokens).logits)
+  np.testing.assert_array_equal(np.asarray(feats.draft_logits), ours_full[..., ids])
+  np.testing.assert_array_equal(np.asarray(feats.argmax), ours_full.argmax(-1))
+  ref_logits = out.logits.numpy()[..., ids]
+  assert (np.linalg.norm(np.asarray(feats.draft_logits) - ref_logits)
+          < 1e-4 * np.linalg.norm(ref_logits))
   # The engine's path: prefill the first 13 tokens into a KV cache, extend by the rest.
   b, split = tokens.shape[0], 13
   graphdef, state = nnx.split(target)
@@ -188,6 +214,23 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   other = training.pack(prompts, [[7] * 5] * len(prompts), SEQ_LEN)
   with pytest.raises(ValueError, match="written for other training data"):
     training.Trainer(target, _drafter(target, d), other, cfg, checkpoint_dir=ckpt)
+  # The checkpoint records its capture, target and draft vocabulary: resuming with another
+  # raises and names both (instead of training or exporting its weights under the new ones).
+  vocab = training.build_draft_vocab(d.responses(), target.config.vocab_size, DRAFT_VOCAB)
+  other_capture = eagle3jax.init_drafter(eagle3jax.DrafterConfig.for_target(
+      target.config, eagle3jax.CaptureSpec((1, 3, 5)), draft_vocab_size=DRAFT_VOCAB),
+      target=target, d2t=vocab.d2t)
+  with pytest.raises(ValueError, match=r"capture layers \[1, 3, 6\], but this run captures "
+                                       r"\[1, 3, 5\]"):
+    training.Trainer(target, other_capture, d, cfg, checkpoint_dir=ckpt)
+  other_vocab = eagle3jax.init_drafter(eagle3jax.DrafterConfig.for_target(
+      target.config, CAPTURE, draft_vocab_size=DRAFT_VOCAB), target=target,
+      d2t=np.ones(DRAFT_VOCAB, int))  # target ids 1..64
+  with pytest.raises(ValueError, match="another draft vocabulary"):
+    training.Trainer(target, other_vocab, d, cfg, checkpoint_dir=ckpt)
+  other_target = eagle3jax.init_target(engine_helpers.CFG, mesh=target.mesh, seed=5, std=0.5)
+  with pytest.raises(ValueError, match="trained on another target"):
+    training.Trainer(other_target, _drafter(other_target, d), d, cfg, checkpoint_dir=ckpt)
 
 
 def test_export_load_decode_is_lossless(target, data, tmp_path):

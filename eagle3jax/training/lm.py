@@ -60,8 +60,10 @@ def _step(graphdef, params, opt_state, rest, batch, tx):
   def loss_fn(p):
     model = nnx.merge(graphdef, p, rest)
     logits, _, _ = model(batch[:, :-1])
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch[:, 1:, None], axis=-1)[..., 0]
+    logp = jax.nn.log_softmax(logits, axis=-1)         # [B, T, V], vocab-parallel
+    # The label's log-probability as a masked sum: each vocabulary shard adds its own part.
+    hit = jnp.arange(logp.shape[-1])[None, None, :] == batch[:, 1:, None]
+    nll = -jnp.sum(jnp.where(hit, logp, 0.0), axis=-1)
     return jnp.mean(nll)
   loss, grads = jax.value_and_grad(loss_fn)(params)
   updates, opt_state = tx.update(grads, opt_state, params)

@@ -31,12 +31,14 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from eagle3jax import capture_contract as contract
+from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
-from eagle3jax.training.data import (DataPosition, TrainingData, build_training_data,
-                                     next_batch, target_features)
+from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
+                                     build_training_data, next_batch, target_features)
 from eagle3jax.training.ttt import ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
@@ -154,11 +156,11 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("opt_state",))
-def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, aux, logits, tokens,
+def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
                 loss_mask):
   def loss_fn(p):
     drafter = nnx.merge(graphdef, p, rest)
-    return ttt_loss(drafter, aux, logits, tokens, loss_mask, steps=cfg.ttt_steps,
+    return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
                     decay=cfg.step_decay)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -185,6 +187,36 @@ def _fingerprint(data: TrainingData) -> int:
                     + np.ascontiguousarray(data.loss_mask).tobytes())
 
 
+def _identity(target, drafter) -> dict:
+  """What a training checkpoint is tied to: capture, target, draft vocabulary."""
+  d2t = np.asarray(jax.device_get(drafter.d2t[...]))
+  return {"capture": drafter.config.capture.as_list(),
+          "target": contract.target_fingerprint(target),
+          "draft_vocab": {"size": int(d2t.shape[0]),
+                          "crc": zlib.crc32(np.ascontiguousarray(d2t, np.int64).tobytes())}}
+
+
+def _check_identity(meta: dict, ours: dict, where: str) -> None:
+  """Refuses to resume a checkpoint written for another capture, target or draft vocabulary."""
+  if "capture" in meta and meta["capture"] != ours["capture"]:
+    raise ValueError(f"{where} was trained on capture layers {meta['capture']}, but this run "
+                     f"captures {ours['capture']}; resuming would train (or export) its "
+                     "weights under the wrong layers. Use the checkpoint's capture or a fresh "
+                     "checkpoint directory")
+  if "target" in meta and not contract.same_fingerprint(meta["target"], ours["target"]):
+    theirs, mine = meta["target"], ours["target"]
+    raise ValueError(f"{where} was trained on another target (fingerprint: "
+                     f"{theirs['num_layers']} layers, hidden {theirs['hidden_size']}, vocab "
+                     f"{theirs['vocab_size']}, final norm {theirs['final_norm'][:3]}...) than "
+                     f"this one ({mine['num_layers']} layers, hidden {mine['hidden_size']}, "
+                     f"vocab {mine['vocab_size']}, final norm {mine['final_norm'][:3]}...); use "
+                     "a fresh checkpoint directory")
+  if "draft_vocab" in meta and meta["draft_vocab"] != ours["draft_vocab"]:
+    raise ValueError(f"{where} was trained with another draft vocabulary "
+                     f"({meta['draft_vocab']}) than this run's ({ours['draft_vocab']}); use "
+                     "the same draft_vocab_size and data, or a fresh checkpoint directory")
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       tree)
@@ -205,9 +237,13 @@ class Trainer:
     self.target = target
     self.config = config
     self.data = data
-    self.capture: CaptureSpec = drafter.config.capture
+    self._capture: CaptureSpec = drafter.config.capture
     self.mesh = target.mesh
+    self._identity = _identity(target, drafter)
     self._drafter = drafter
+    # Target ids of the draft vocabulary: the columns of the target's logits the loss reads.
+    self._draft_ids = (np.arange(drafter.config.draft_vocab_size)
+                       + np.asarray(drafter.d2t[...]))
     self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
     with jax.set_mesh(self.mesh):
       self.opt_state = make_optimizer(config).init(self.params)
@@ -223,10 +259,17 @@ class Trainer:
       if self._manager.latest_step() is not None:
         self.restore(self._manager.latest_step())
 
+  @property
+  def capture(self) -> CaptureSpec:
+    """The target layers this trainer's features come from (fixed at construction: the
+    drafter's ``fc`` and its checkpoints are tied to them)."""
+    return self._capture
+
   # --- features and batches ---
-  def features(self, tokens) -> tuple[jax.Array, jax.Array]:
-    """``(aux, target_logits)`` the step trains on for ``tokens [B, T]``."""
-    return target_features(self.target, tokens, self.capture)
+  def features(self, tokens) -> TargetFeatures:
+    """What the step trains on for ``tokens [B, T]``: captures, the target's logits at the
+    draft vocabulary and its argmax (reduced inside the target's jitted forward)."""
+    return target_features(self.target, tokens, self.capture, self._draft_ids)
 
   def _place(self, x: np.ndarray) -> jax.Array:
     spec = activation_spec((BATCH, SEQ), x.shape, self.mesh)
@@ -237,11 +280,11 @@ class Trainer:
     """One optimiser step on the next batch; returns host metrics of that step."""
     cfg = self.config
     tokens, mask, position = next_batch(self.data, self.position, cfg.batch_size, cfg.seed)
-    aux, logits = self.features(tokens)
+    features = self.features(tokens)
     with jax.set_mesh(self.mesh):
       self.params, self.opt_state, loss, metrics = _train_step(
-          self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, aux,
-          logits, self._place(tokens), self._place(mask))
+          self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, features,
+          self._place(tokens), self._place(mask))
     self.step += 1
     self.position = position
     record = {"step": self.step, "loss": float(loss),
@@ -279,7 +322,8 @@ class Trainer:
     if self._manager is None or self._manager.latest_step() == self.step:
       return
     meta = {"step": self.step, "epoch": self.position.epoch, "cursor": self.position.cursor,
-            "data_crc": _fingerprint(self.data), "config": dataclasses.asdict(self.config)}
+            "data_crc": _fingerprint(self.data), "config": dataclasses.asdict(self.config),
+            **self._identity}
     tree = {"params": self.params, "opt_state": self.opt_state}
     self._manager.save(self.step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta)), force=True)
@@ -291,6 +335,8 @@ class Trainer:
     out = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(_abstract(tree)), meta=ocp.args.JsonRestore()))
     meta = out.meta
+    _check_identity(meta, self._identity, f"the checkpoint of step {step} in "
+                    f"{self._manager.directory}")
     if meta.get("data_crc") != _fingerprint(self.data):
       raise ValueError(f"the checkpoint of step {step} in {self._manager.directory} was "
                        "written for other training data (its data position would be "
@@ -335,7 +381,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
                   capture: CaptureSpec | Sequence[int] | None = None,
                   checkpoint_dir: str | None = None, progress: bool = True,
-                  drafter_overrides: dict | None = None) -> TrainResult:
+                  drafter_overrides: dict | None = None,
+                  heldout_prompts: Sequence[Sequence[int]] | None = None) -> TrainResult:
   """Trains an EAGLE-3 drafter for ``target`` and exports it to ``out_dir``.
 
   Steps: the target regenerates responses to ``prompts`` (saved with the checkpoints so a
@@ -354,6 +401,11 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     checkpoint_dir: training state directory.
     progress: show a progress bar and print the vocabulary coverage.
     drafter_overrides: ``DrafterConfig`` fields to override (e.g. a smaller MLP).
+    heldout_prompts: prompts the trained drafter's greedy acceptance is measured on (at
+      ``monitor.DEFAULT_SHAPES``) and recorded for the live monitor (``eagle3jax.monitor``).
+
+  The export carries the capture record (``eagle3jax.capture_contract``): features at the
+  first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
   """
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
@@ -388,5 +440,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   finally:
     trainer.close()
   drafter = trainer.drafter
-  save_drafter(drafter, out_dir)
+  acceptance = (monitor.measure_acceptance(target, drafter, list(heldout_prompts))
+                if heldout_prompts else {})
+  calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
+  save_drafter(drafter, out_dir, target=target,
+               calibration_ids=calibration[:contract.CALIBRATION_TOKENS], acceptance=acceptance)
   return TrainResult(drafter, trainer.history, vocab)

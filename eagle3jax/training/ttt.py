@@ -2,7 +2,8 @@
 
 At inference a depth-j draft node is produced from the drafter's own output of depth j-1, not
 from target features. TTT trains that situation (EAGLE-3, Li et al. 2025; reference section 5)
-on a sequence ``x_0 .. x_{T-1}`` with target features ``f_t`` and target logits ``l_t``:
+on a sequence ``x_0 .. x_{T-1}`` with target features ``f_t`` and target logits ``l_t`` (of
+which only the draft vocabulary's columns and the argmax enter, ``TargetFeatures``):
 
 * step 0, position t: hidden ``fc(f_t)``, token ``x_{t+1}``, RoPE position t;
 * step j >= 1, position t: hidden = the step j-1 pre-norm output ``a`` at t, token
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax import attention as attn_lib
-from eagle3jax.sharding import BATCH, SEQ, batch_major, out_spec, shard
+from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, out_spec, shard
+from eagle3jax.training.data import TargetFeatures
 
 
 def ttt_attention_mask(seq_len: int, step: int) -> np.ndarray:
@@ -85,14 +87,15 @@ def _shift(x: jax.Array, n: int) -> jax.Array:
   return jnp.pad(x[:, n:], pad)
 
 
-def ttt_loss(drafter, aux, target_logits, tokens, loss_mask, *, steps: int = 7,
+def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
              decay: float = 0.8):
   """The TTT loss of a batch.
 
   Args:
     drafter: the ``Eagle3Drafter`` being trained.
-    aux: ``[B, T, k*Dt]`` target captures (``eagle3jax.forward(..., capture=spec)``).
-    target_logits: ``[B, T, V]`` float32 target logits of the same forward.
+    features: the target's ``TargetFeatures`` of ``tokens`` (``target_features`` with the
+      drafter's draft vocabulary): captures ``[B, T, k*Dt]``, logits at the draft vocabulary
+      ``[B, T, N]`` and the full-vocabulary argmax ``[B, T]``.
     tokens: ``[B, T]`` int32 sequences (padded).
     loss_mask: ``[B, T]`` bool, True on response tokens.
     steps: K, the number of unrolled draft steps.
@@ -105,19 +108,21 @@ def ttt_loss(drafter, aux, target_logits, tokens, loss_mask, *, steps: int = 7,
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
   b, t = tokens.shape
+  n = drafter.config.draft_vocab_size
+  if features.draft_logits.shape != (b, t, n):
+    raise ValueError(f"target draft logits {features.draft_logits.shape} do not match tokens "
+                     f"{(b, t)} and the drafter's draft_vocab_size={n}; compute them with "
+                     "target_features(..., draft_ids) for this drafter's vocabulary")
   tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
   loss_mask = shard(loss_mask.astype(bool), (BATCH, SEQ))
-  target_logits = shard(target_logits.astype(jnp.float32), (BATCH, SEQ, None))
-  draft_to_target = jnp.arange(drafter.config.draft_vocab_size) + drafter.d2t[...]  # [N]
-  sel = target_logits.at[:, :, draft_to_target].get(
-      out_sharding=out_spec((BATCH, SEQ, None), (b, t, draft_to_target.shape[0])))
+  sel = shard(features.draft_logits.astype(jnp.float32), (BATCH, SEQ, VOCAB))
   probs = jax.nn.softmax(sel, axis=-1)                                  # [B, T, N]
-  target_argmax = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # [B, T]
+  target_argmax = shard(features.argmax.astype(jnp.int32), (BATCH, SEQ))
   in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
                                                                           (b, t)))
   base_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-  hidden = drafter.project(aux)
+  hidden = drafter.project(features.aux)
   past_k, past_v = [], []
   losses, accs, counts = [], [], []
   total = jnp.float32(0.0)

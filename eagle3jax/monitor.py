@@ -1,0 +1,70 @@
+"""Live acceptance against the acceptance the drafter reached on held-out data at training time.
+
+The capture record (``eagle3jax.capture_contract``) keeps the held-out greedy acceptance length
+per tree shape. ``compare`` adds it to ``generate``'s stats next to the live value and warns
+(``warnings.warn``, once per ``generate`` call) when the live value stays far below it over
+enough rounds: a drafter fed other features than its training data (the seed's bug) still
+decodes correctly, only slower, and this is the one symptom a user sees.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+# Warn when, over at least MIN_ROUNDS greedy rounds, the live accepted drafts per round
+# (acceptance length - 1) fall below FAR_BELOW times the recorded ones.
+MIN_ROUNDS = 32
+FAR_BELOW = 0.5
+
+
+class AcceptanceWarning(UserWarning):
+  """Live acceptance far below what the drafter reached on held-out data."""
+
+
+def recorded_acceptance(drafter, num_steps: int, topk: int, num_draft_tokens: int
+                        ) -> float | None:
+  record = getattr(drafter, "capture_record", None)
+  if record is None:
+    return None
+  return record.acceptance_for(num_steps, topk, num_draft_tokens)
+
+
+def compare(stats: dict, drafter, num_steps: int, topk: int, num_draft_tokens: int,
+            greedy: bool) -> None:
+  """Adds ``accept_length_recorded`` (None when unknown) to ``stats``; warns when far below."""
+  recorded = None if drafter is None else recorded_acceptance(drafter, num_steps, topk,
+                                                              num_draft_tokens)
+  stats["accept_length_recorded"] = recorded
+  live = stats.get("accept_length_mean")
+  if recorded is None or not greedy or stats.get("rounds", 0) < MIN_ROUNDS or live is None:
+    return
+  if live - 1 < FAR_BELOW * (recorded - 1):
+    warnings.warn(
+        f"acceptance length {live:.2f} over {stats['rounds']} rounds is far below the "
+        f"{recorded:.2f} this drafter reached on held-out data at tree shape "
+        f"({num_steps}, {topk}, {num_draft_tokens}). Output is still correct, but the drafter "
+        f"is probably fed other target features than it was trained on (capture ids, "
+        f"convention, target) or the prompts are far from its training data; see README, "
+        f"'Capture contract'", AcceptanceWarning, stacklevel=3)
+
+
+DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))
+
+
+def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
+                       max_new_tokens: int = 128, batch_size: int = 8,
+                       eos_ids=None) -> dict[str, float]:
+  """Greedy acceptance length per tree shape on ``prompts`` (held-out data): what the capture
+  record keeps for ``compare``. Keys ``"steps,topk,tokens"``."""
+  from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
+  from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
+  out = {}
+  for steps, topk, tokens in shapes:
+    rounds, accepted = 0, 0.0
+    for i in range(0, len(prompts), batch_size):
+      r = generate(target, drafter, prompts[i:i + batch_size], max_new_tokens=max_new_tokens,
+                   num_steps=steps, topk=topk, num_draft_tokens=tokens, eos_ids=eos_ids)
+      rounds += r.stats["rounds"]
+      accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+    out[tree_key(steps, topk, tokens)] = round(accepted / max(rounds, 1), 4)
+  return out

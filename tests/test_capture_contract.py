@@ -1,0 +1,320 @@
+"""The capture contract (eagle3jax.capture_contract): every silent case of issue 13 refused or
+detected, and no false alarm for a correct pair on the meshes and dtypes the tests use."""
+
+import dataclasses
+import json
+import os
+import shutil
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import eagle3jax
+from eagle3jax import capture_contract as contract
+from eagle3jax import monitor
+from eagle3jax.drafter_io import config_from_hf
+from eagle3jax.safetensors_io import SafetensorsFile
+from tests import engine_helpers as H
+
+TRAINED = H.CAPTURE  # (-1, 3, 6): the copy drafter reads the embedding capture
+IDS = "eagle_aux_hidden_state_layer_ids"
+
+
+@pytest.fixture(scope="module")
+def target():
+  return H.target()
+
+
+@pytest.fixture(scope="module")
+def saved(target, tmp_path_factory):
+  """A copy drafter saved with its capture record (and the embedding, by default)."""
+  path = str(tmp_path_factory.mktemp("drafter"))
+  eagle3jax.save_drafter(H.copy_drafter(target), path, target=target,
+                         acceptance={"3,1,4": 3.5})
+  return path
+
+
+def _copy(saved, tmp_path, *, ids=None, convention="output", record=True):
+  path = str(tmp_path / "d")
+  shutil.copytree(saved, path)
+  cfg_path = os.path.join(path, "config.json")
+  with open(cfg_path) as f:
+    cfg = json.load(f)
+  if ids is not None:
+    cfg["eagle_config"][IDS] = ids
+  if convention is None:
+    cfg["eagle_config"].pop("aux_layer_convention")
+  else:
+    cfg["eagle_config"]["aux_layer_convention"] = convention
+  with open(cfg_path, "w") as f:
+    json.dump(cfg, f)
+  if not record:
+    os.remove(os.path.join(path, contract.RECORD_FILE))
+  return path
+
+
+def _rewrite_tensor(path, name, fn):
+  file = os.path.join(path, "model.safetensors")
+  st = SafetensorsFile(file)
+  tensors = {n: np.array(st.get(n)) for n in st.names}
+  del st
+  tensors[name] = fn(tensors[name])
+  safetensors.numpy.save_file(tensors, file)
+
+
+# --- the record ---------------------------------------------------------------------------
+
+def test_save_writes_record_and_embedding(saved, target):
+  with open(os.path.join(saved, contract.RECORD_FILE)) as f:
+    rec = json.load(f)
+  assert rec["capture"] == list(TRAINED.layer_ids) and rec["convention"] == "output"
+  assert len(rec["calibration_ids"]) == contract.CALIBRATION_TOKENS
+  assert rec["heldout_acceptance"] == {"3,1,4": 3.5}
+  st = SafetensorsFile(os.path.join(saved, "model.safetensors"))
+  np.testing.assert_array_equal(st.get("embed_tokens.weight"),
+                                np.asarray(target.embed_tokens[...]))
+
+
+@pytest.mark.parametrize("dtype,mesh", [(jnp.float32, (1, 1)), (jnp.bfloat16, (2, 4))])
+def test_correct_pair_loads_silently_on_any_mesh_and_dtype(saved, dtype, mesh):
+  tgt = eagle3jax.init_target(H.CFG, mesh=eagle3jax.make_mesh(*mesh), seed=0, std=0.1,
+                              dtype=dtype)
+  dr = eagle3jax.load_drafter(saved, target=tgt)
+  assert "capture record verified" in dr.capture_explanation
+  assert dr.config.capture == TRAINED
+  assert not dr.own_embedding and dr.embed_tokens is tgt.embed_tokens  # shared, not copied
+
+
+def test_seed_rewrite_is_refused_naming_the_trained_layers(saved, target, tmp_path):
+  # The seed's bug: the embedding added to the list, the last layer dropped.
+  path = _copy(saved, tmp_path, ids=[-1, 1, 3])
+  with pytest.raises(ValueError, match=r"configured to capture target layers \[-1, 1, 3\].*"
+                                       r"those of layers \[-1, 3, 6\]"):
+    eagle3jax.load_drafter(path, target=target)
+  # verify_capture=False is the escape hatch for users who know better.
+  dr = eagle3jax.load_drafter(path, target=target, verify_capture=False)
+  assert dr.config.capture.layer_ids == (-1, 1, 3)
+
+
+def test_wrong_convention_is_refused_and_auto_is_settled_by_the_record(saved, target,
+                                                                       tmp_path):
+  # Trained outputs [-1, 3, 6] are inputs [0, 4, 7]; recorded as outputs they are wrong.
+  wrong = _copy(saved, tmp_path, ids=[0, 4, 7], convention="output")
+  with pytest.raises(ValueError, match=r"those of layers \[-1, 3, 6\]"):
+    eagle3jax.load_drafter(wrong, target=target)
+  shutil.rmtree(wrong)
+  ambiguous = _copy(saved, tmp_path, ids=[0, 4, 7], convention=None)
+  dr = eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="auto")
+  assert dr.config.capture == TRAINED and "settled by the capture record" in \
+      dr.capture_explanation
+  with pytest.raises(ValueError, match=r"those of layers \[-1, 3, 6\]"):
+    eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="output")
+
+
+def test_other_target_of_the_same_shape_is_refused(saved):
+  other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)
+  with pytest.raises(ValueError, match="was not trained on this target"):
+    eagle3jax.load_drafter(saved, target=other)
+
+
+def test_corrupt_record_is_named(saved, target, tmp_path):
+  path = _copy(saved, tmp_path)
+  with open(os.path.join(path, contract.RECORD_FILE), "w") as f:
+    json.dump({"version": 1, "capture": [1]}, f)
+  with pytest.raises(ValueError, match="not a valid eagle3jax capture record"):
+    eagle3jax.load_drafter(path, target=target)
+
+
+# --- the probe (drafters without a record) ------------------------------------------------
+
+def test_probe_resolves_auto_and_refuses_a_list_far_below_another(saved, target, tmp_path):
+  ambiguous = _copy(saved, tmp_path, ids=[0, 4, 7], convention=None, record=False)
+  dr = eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="auto")
+  assert dr.config.capture == TRAINED and "(probed)" in dr.capture_explanation
+  with pytest.raises(ValueError, match=r"configured target layers \[0, 4, 7\] \('output' "
+                                       r"reading\) give top-1 agreement 0\.\d\d.*"
+                                       r"\[-1, 3, 6\] \('input'\) give 0\.\d\d"):
+    eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="output")
+  right = eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="input")
+  assert right.config.capture == TRAINED and "probed top-1 agreement" in \
+      right.capture_explanation
+
+
+# --- the live monitor ---------------------------------------------------------------------
+
+def test_monitor_reports_recorded_and_warns_once_when_far_below(saved, target, monkeypatch):
+  dr = eagle3jax.load_drafter(saved, target=target)
+  # As if this drafter had reached 9.0 on held-out data: live acceptance is far below. And as
+  # if it had been trained on 16 positions: decoding to position 34 warns naming the field.
+  dr.capture_record = dr.capture_record.with_acceptance({"3,1,4": 9.0})
+  dr.config = dataclasses.replace(dr.config, max_position_embeddings=16)
+  monkeypatch.setattr(monitor, "MIN_ROUNDS", 4)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    res = eagle3jax.generate(target, dr, [[5, 6, 7, 8, 9, 10, 3]], max_new_tokens=24,
+                             num_steps=3, topk=1, eos_ids=[])
+  assert res.stats["accept_length_recorded"] == 9.0 and res.stats["rounds"] >= 4
+  far = [w for w in caught if issubclass(w.category, monitor.AcceptanceWarning)]
+  assert len(far) == 1 and "far below the 9.00" in str(far[0].message)
+  assert sum("max_position_embeddings=16" in str(w.message) for w in caught) == 1
+  monkeypatch.setattr(monitor, "MIN_ROUNDS", 32)
+  dr.capture_record = dr.capture_record.with_acceptance({"3,1,4": 3.5})
+  # The same check on stats alone: far below over enough rounds warns exactly once.
+  stats = {"accept_length_mean": 1.2, "rounds": 40}
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    monitor.compare(stats, dr, 3, 1, 4, greedy=True)
+    monitor.compare({"accept_length_mean": 3.4, "rounds": 40}, dr, 3, 1, 4, greedy=True)
+    monitor.compare({"accept_length_mean": 1.2, "rounds": 5}, dr, 3, 1, 4, greedy=True)
+  assert len(caught) == 1 and "far below the 3.50" in str(caught[0].message)
+  assert stats["accept_length_recorded"] == 3.5
+
+
+# --- checkpoint hygiene -------------------------------------------------------------------
+
+def _hf(**extra):
+  base = {"hidden_size": 64, "intermediate_size": 88, "num_attention_heads": 8,
+          "num_key_value_heads": 2, "vocab_size": 131}
+  base.update(extra)
+  return base
+
+
+@pytest.mark.parametrize("extra,match", [
+    ({"some_new_field": 1}, r"fields eagle3jax does not implement: \['some_new_field'\]"),
+    ({"norm_before_residual": True}, "norm_before_residual=True"),
+    ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+    ({"sliding_window": 128, "use_sliding_window": True}, "sliding_window"),
+    ({"layer_types": ["sliding_attention"]}, "layer_types"),
+    ({"eagle_config": {"unknown_key": 1}}, r"eagle_config\.unknown_key"),
+])
+def test_drafter_config_refuses_what_it_does_not_implement(extra, match):
+  with pytest.raises(ValueError, match=match):
+    config_from_hf(_hf(**extra), TRAINED)
+
+
+def test_published_drafter_configs_parse():
+  root = os.path.join(os.path.dirname(__file__), "..", "configs")
+  for name in sorted(os.listdir(root)):
+    if name.endswith("-eagle3.json"):
+      with open(os.path.join(root, name)) as f:
+        config_from_hf(json.load(f), eagle3jax.CaptureSpec((1, 2, 3)))
+
+
+@pytest.mark.parametrize("name,fn,match", [
+    ("d2t", lambda d: d + 1000, "outside"),
+    ("d2t", lambda d: (np.arange(len(d))[::-1] + d[::-1]) - np.arange(len(d)), "increasingly"),
+    ("t2d", lambda t: ~t, "does not agree with d2t"),
+    ("midlayer.mlp.up_proj.weight", lambda w: np.where(np.arange(w.size).reshape(w.shape) == 5,
+                                                       np.nan, w).astype(w.dtype),
+     r"'midlayer.mlp.up_proj.weight' holds 1 NaN"),
+    ("fc.weight", lambda w: np.full_like(w, np.inf), r"'fc.weight' holds 0 NaN and \d+ Inf"),
+])
+def test_bad_drafter_tensors_are_refused_by_name(saved, target, tmp_path, name, fn, match):
+  path = _copy(saved, tmp_path)
+  _rewrite_tensor(path, name, fn)
+  with pytest.raises(ValueError, match=match):
+    eagle3jax.load_drafter(path, target=target)
+
+
+def test_target_nan_weight_and_truncated_file_are_named(target, tmp_path):
+  from eagle3jax.hf_export import save_target
+  path = str(tmp_path / "t")
+  save_target(target, path)
+  _rewrite_tensor(path, "model.layers.2.mlp.up_proj.weight",
+                  lambda w: np.where(np.arange(w.size).reshape(w.shape) == 0, np.inf,
+                                     w).astype(w.dtype))
+  with pytest.raises(ValueError, match=r"'model.layers.2.mlp.up_proj.weight' holds 0 NaN "
+                                       r"and 1 Inf"):
+    eagle3jax.load_target(path)
+  file = os.path.join(path, "model.safetensors")
+  with open(file, "r+b") as f:
+    f.truncate(os.path.getsize(file) - 100)
+  with pytest.raises(ValueError, match=r"model\.safetensors: tensor '[\w.]+' needs bytes .* "
+                                       r"\(truncated"):
+    eagle3jax.load_target(path)
+
+
+def test_yarn_drafter_is_refused_at_save(target, tmp_path):
+  cfg = eagle3jax.DrafterConfig.for_target(
+      target.config, TRAINED, rope=eagle3jax.RopeConfig(
+          theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
+  dr = eagle3jax.init_drafter(cfg, target=target)
+  with pytest.raises(ValueError, match="rope type 'yarn' cannot be saved"):
+    eagle3jax.save_drafter(dr, str(tmp_path / "y"))
+
+
+def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
+  other = eagle3jax.make_mesh(2, 4)
+  with pytest.raises(ValueError, match="not the target's mesh"):
+    eagle3jax.load_drafter(saved, target=target, mesh=other)
+  dr = eagle3jax.load_drafter(saved, target=target)
+  moved = eagle3jax.init_target(H.CFG, mesh=other, seed=0, std=0.1)
+  with pytest.raises(ValueError, match="not the target's mesh"):
+    eagle3jax.generate(moved, dr, [[3, 4]], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
+    (dict(prompts=[[3.7, 4.2]]), "must hold integer token ids"),
+    (dict(eos_ids=[131]), r"eos_ids=\[131\] must be token ids in \[0, vocab_size=131\)"),
+])
+def test_generate_refuses_bad_values(saved, target, kwargs, match):
+  dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
+  args = dict(prompts=[[3, 4]], max_new_tokens=2)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=match):
+    eagle3jax.generate(target, dr, args.pop("prompts"), **args)
+
+
+def test_include_embedding_false_leaves_it_out(target, tmp_path):
+  dr = H.random_drafter(target)
+  path = str(tmp_path / "noemb")
+  eagle3jax.save_drafter(dr, path, include_embedding=False)
+  assert "embed_tokens.weight" not in SafetensorsFile(
+      os.path.join(path, "model.safetensors")).names
+  assert not os.path.exists(os.path.join(path, contract.RECORD_FILE))  # no target given
+  loaded = eagle3jax.load_drafter(path, target=target, verify_capture=False)
+  assert loaded.embed_tokens is target.embed_tokens
+
+
+def test_shipped_pair_passes_on_a_weight_only_int4_target():
+  # Every layer matrix of the shipped target rounded to symmetric INT4 in groups of 32 (as a
+  # weight-only quantised checkpoint computes): within the documented tolerance.
+  import jax
+  from flax import nnx
+  from eagle3jax.decode_cli import DEFAULT_DRAFTER, DEFAULT_TARGET
+  tgt = eagle3jax.load_target(DEFAULT_TARGET, dtype=jnp.float32)
+  for path, var in nnx.to_flat_state(nnx.state(tgt.layers, nnx.Param)):
+    if "norm" in ".".join(map(str, path)):
+      continue
+    w = np.asarray(jax.device_get(var.get_value()), np.float32)
+    groups = w.reshape(-1, 32)
+    scale = np.abs(groups).max(-1, keepdims=True) / 7 + 1e-12
+    q = (np.clip(np.round(groups / scale), -8, 7) * scale).reshape(w.shape)
+    var.set_value(jax.device_put(jnp.asarray(q), var.get_value().sharding))
+  dr = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=tgt)
+  assert "capture record verified" in dr.capture_explanation
+
+
+def test_record_from_an_unquantized_target_verifies_on_its_int4_checkpoint(tmp_path):
+  # The same tiny DeepSeek as a float32 checkpoint and as a Kimi-K2.5 INT4 (compressed-tensors)
+  # one, held quantized: its captures move by 0.06-0.10, past the fast path's 0.05, and the
+  # every-layer search still finds each capture at its own layer (neighbours differ by > 0.5).
+  from tests import deepseek_models as dm
+  dm.make_checkpoint(str(tmp_path / "f32"))
+  dm.to_kimi_k25_int4_checkpoint(str(tmp_path / "f32"), str(tmp_path / "int4"))
+  f32 = eagle3jax.load_target(str(tmp_path / "f32"), dtype=jnp.float32)
+  int4 = eagle3jax.load_target(str(tmp_path / "int4"), dtype=jnp.float32)
+  cfg = f32.config
+  dcfg = eagle3jax.DrafterConfig(
+      hidden_size=cfg.hidden_size, intermediate_size=88, num_attention_heads=8,
+      num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
+      capture=eagle3jax.CaptureSpec((0, 1, 2)), rms_norm_eps=cfg.rms_norm_eps,
+      max_position_embeddings=cfg.max_position_embeddings)
+  path = str(tmp_path / "drafter")
+  eagle3jax.save_drafter(eagle3jax.init_drafter(dcfg, target=f32), path, target=f32)
+  dr = eagle3jax.load_drafter(path, target=int4)
+  assert "capture record verified on every layer" in dr.capture_explanation

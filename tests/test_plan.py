@@ -1,0 +1,122 @@
+"""plan.py: the serving programs compiled from a config with abstract weights, sized per device.
+
+The reported bytes are checked against arithmetic from the config (not against the code that
+computes them), and the per-round cost fitted from shallow variants against a direct compile.
+"""
+
+import json
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from eagle3jax import plan as plan_lib
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 (fake) devices")
+
+D, F, H, K, HD, V, L = 64, 128, 8, 8, 8, 512, 3
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": D,
+    "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": K,
+    "num_hidden_layers": L, "vocab_size": V, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu",
+    "torch_dtype": "bfloat16",
+}
+DRAFTER = {
+    "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
+    "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": K,
+    "num_hidden_layers": 1, "vocab_size": V, "draft_vocab_size": 128, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+                     "aux_layer_convention": "output"},
+}
+
+
+def _llama_weight_bytes(tensor: int) -> int:
+  """Per-device bf16 bytes: everything but the norms is split over the tensor axis."""
+  per_layer = D * H * HD + 2 * D * K * HD + H * HD * D + 3 * D * F
+  sharded = L * per_layer + 2 * V * D
+  norms = L * 2 * D + D
+  return 2 * (sharded // tensor + norms)
+
+
+def test_llama_bytes_match_the_config_arithmetic():
+  r = plan_lib.plan(LLAMA, data=1, tensor=8, batch=2, context=256, prompt_len=32,
+                    with_cost=False, log=lambda m: None)
+  pd = r["per_device"]
+  assert pd["weights"] == _llama_weight_bytes(8)
+  # K/V, bf16, kv heads over the tensor axis: L * B * slots * (K/8) * HD * 2 (k and v) * 2.
+  assert r["cache_slots"] >= 256
+  assert pd["kv_cache"] == L * 2 * r["cache_slots"] * (K // 8) * HD * 2 * 2
+  assert r["kv_bytes_per_token"] == pytest.approx(L * (K // 8) * HD * 2 * 2)
+  assert pd["temp"] > 0
+  assert pd["total"] == pd["weights"] + pd["drafter_weights"] + pd["kv_cache"] + \
+      pd["decode_state"] + pd["temp"]
+  assert r["fits"] and r["hbm_bytes"] == int(141 * 2**30)
+  assert r["max_batch"] > 2 and r["max_context"] > 256
+  # A memory that only just misses the total does not fit, and then holds no larger batch.
+  small = plan_lib.plan(LLAMA, data=1, tensor=8, batch=2, context=256, prompt_len=32,
+                        hbm_gib=(pd["total"] - 1) / 2**30, with_cost=False, log=lambda m: None)
+  assert not small["fits"] and small["max_batch"] < 2
+
+
+def test_drafter_and_deepseek_latent_cache_bytes():
+  from tests import deepseek_models  # pylint: disable=import-outside-toplevel
+  hf = deepseek_models.to_published_style(deepseek_models.hf_config(layers=3).to_dict())
+  hf["architectures"] = ["DeepseekV3ForCausalLM"]
+  r = plan_lib.plan(hf, data=2, tensor=4, batch=2, context=128, prompt_len=16,
+                    with_cost=False, log=lambda m: None)
+  # The MLA latent cache: kv_lora_rank + qk_rope_head_dim per token and layer, replicated over
+  # the tensor axis, batch over data.
+  per_token = hf["num_hidden_layers"] * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * 2
+  assert r["per_device"]["kv_cache"] == (2 // 2) * r["cache_slots"] * per_token
+  rd = plan_lib.plan(LLAMA, DRAFTER, data=1, tensor=8, batch=1, context=128, prompt_len=16,
+                     with_cost=False, log=lambda m: None)
+  # Drafter: one layer (attention input 2D) and the draft head split over the tensor axis; fc
+  # (3D -> D) and four norms replicated; d2t (int32) and t2d (bool); the embedding is shared.
+  split = 2 * D * H * HD + 2 * 2 * D * K * HD + H * HD * D + 3 * D * F + D * 128
+  replicated = 3 * D * D + 4 * D
+  assert rd["per_device"]["drafter_weights"] == 2 * (split // 8 + replicated) + 128 * 4 + V
+  assert rd["capture"] == [0, 1, 2] and rd["tree"] == [7, 1, 8]
+
+
+def test_round_cost_counts_every_layer_once():
+  """The round's cost at depth L: at least the matmuls over every layer's weights for the
+  verified tokens and one read of the weights and caches, and linear in L (equal increments
+  from 4 to 7 and from 7 to 10 layers: neither a loop body counted once nor a cost quadratic
+  in depth)."""
+  flops, nbytes = [], []
+  for n in (4, 7, 10):
+    hf = dict(LLAMA, num_hidden_layers=n)
+    dr = dict(DRAFTER, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, n - 1],
+                                     "aux_layer_convention": "output"})
+    r = plan_lib.plan(hf, dr, data=1, tensor=8, batch=1, context=512, prompt_len=16, steps=3,
+                      topk=1, draft_tokens=4, log=lambda m: None)
+    pd = r["per_device"]
+    layer_weights = (D * H * HD + 2 * D * K * HD + H * HD * D + 3 * D * F) // 8
+    assert r["flops_per_round"] >= n * 2 * 4 * layer_weights
+    assert r["bytes_per_round"] >= pd["weights"] + pd["kv_cache"]
+    assert r["roofline_round_s"] == pytest.approx(max(r["flops_per_round"] / 989e12,
+                                                      r["bytes_per_round"] / 4.8e12))
+    flops.append(r["flops_per_round"])
+    nbytes.append(r["bytes_per_round"])
+  assert flops[2] - flops[1] == pytest.approx(flops[1] - flops[0], rel=0.02)
+  assert nbytes[2] - nbytes[1] == pytest.approx(nbytes[1] - nbytes[0], rel=0.02)
+  assert flops[1] - flops[0] >= 3 * 2 * 4 * layer_weights
+
+
+def test_script_json_and_errors(tmp_path):
+  cfg = tmp_path / "config.json"
+  cfg.write_text(json.dumps(LLAMA))
+  out = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(cfg), "--mesh", "1,4",
+                        "--batch", "1", "--context", "128", "--prompt-len", "16", "--no-cost",
+                        "--json"], capture_output=True, text=True, timeout=300, check=False)
+  assert out.returncode == 0, out.stderr
+  r = json.loads(out.stdout)
+  for key in ("fits", "per_device", "hbm_bytes", "max_batch", "max_context", "compile_s"):
+    assert key in r
+  assert r["per_device"]["weights"] == _llama_weight_bytes(4)
+  bad = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(cfg), "--mesh", "x"],
+                       capture_output=True, text=True, timeout=60, check=False)
+  assert bad.returncode == 2 and "--mesh" in bad.stderr
