@@ -19,9 +19,10 @@ which equals expanding every cached latent into per-head keys and values. The ca
 full-sequence forward uses the same code with the new tokens as the whole key set. Attention
 runs on the XLA path whatever ``attention_impl`` says (the Pallas kernel is for Llama heads).
 
-MoE, computed densely: every expert runs on every token and a combine weight of zero drops the
-unselected ones (exact, and simple; fine for the tiny models this is tested on). Experts are
-stacked ``[E, ...]`` with the ``EXPERT`` axis first, sharded over ``tensor``.
+MoE: routing and the routed experts live in ``eagle3jax.moe`` (dropless grouped matmuls over
+the chosen (token, expert) pairs, expert-parallel under a mesh; the dense evaluation remains as
+``impl="reference"``). Experts are stacked ``[E, ...]`` with the ``EXPERT`` axis first, sharded
+over ``tensor``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import nnx
 
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
+from eagle3jax import moe as moe_lib
 from eagle3jax import stack as stack_lib
 from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
@@ -41,15 +43,12 @@ from eagle3jax.quant import linear_param
 from eagle3jax.quant_config import layer_schemes
 from eagle3jax.rope import apply_rope
 from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LAYERS, LORA, SEQ,
-                                VOCAB, out_spec, shard)
+                                VOCAB, out_spec)
 
 # Cache layout: one shared "head" (never sharded), latent features replicated.
 LATENT_CACHE_AXES = (LAYERS, BATCH, SEQ, None, LORA)
 # transformers' DeepseekV3RMSNorm default, used by the q/kv latent norms.
 LATENT_NORM_EPS = 1e-6
-# Routing constants of DeepSeek's noaux_tc: groups are scored by their best two experts.
-_GROUP_SCORE_TOP = 2
-_NORM_EPS = 1e-20
 
 
 def rope_rotate(x: jax.Array, positions: jax.Array, cfg: DeepseekConfig) -> jax.Array:
@@ -159,7 +158,7 @@ class MLAttention(nnx.Module):
 class MoE(nnx.Module):
   """Sigmoid-scored, group-limited (noaux_tc) routed experts plus shared experts."""
 
-  def __init__(self, cfg: DeepseekConfig, dtype, schemes=None):
+  def __init__(self, cfg: DeepseekConfig, dtype, schemes=None, impl: str = "auto"):
     d, e, f = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
     schemes = schemes or {}
     # The router stays float32 whatever the model dtype (as DeepSeek and transformers keep it).
@@ -178,35 +177,23 @@ class MoE(nnx.Module):
       self.shared_experts = LlamaMLP(d, f * cfg.n_shared_experts, dtype, schemes,
                                      "mlp.shared_experts.")
     self.cfg = cfg
+    self.routing_config = moe_lib.RoutingConfig.from_deepseek(cfg)
+    # The expert-compute path (eagle3jax.moe.IMPLS); "auto" picks by token count.
+    self.impl = impl
 
   def routing(self, x: jax.Array) -> jax.Array:
     """Combine weights ``[B, T, E]`` float32: zero except the chosen experts."""
-    cfg = self.cfg
-    b, t, _ = x.shape
-    e, g = cfg.n_routed_experts, cfg.n_group
-    logits = jnp.einsum("BTD,DE->BTE", x.astype(jnp.float32), self.gate[...])
-    scores = jax.nn.sigmoid(logits)
-    choice = scores + self.e_score_correction_bias[...]
-    grouped = choice.reshape(b, t, g, e // g)
-    group_scores = jax.lax.top_k(grouped, _GROUP_SCORE_TOP)[0].sum(-1)          # [B, T, G]
-    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    group_ok = jax.nn.one_hot(top_groups, g, dtype=jnp.int32).sum(-2) > 0      # [B, T, G]
-    expert_ok = jnp.repeat(group_ok, e // g, axis=-1)                         # [B, T, E]
-    choice = jnp.where(expert_ok, choice, -jnp.inf)
-    _, top = jax.lax.top_k(choice, cfg.num_experts_per_tok)
-    chosen = jax.nn.one_hot(top, e, dtype=jnp.float32).sum(-2)                # [B, T, E]
-    weights = scores * chosen
-    if cfg.norm_topk_prob:
-      weights = weights / (weights.sum(-1, keepdims=True) + _NORM_EPS)
-    return weights * cfg.routed_scaling_factor
+    return moe_lib.combine_weights(x, self.gate[...], self.e_score_correction_bias[...],
+                                   self.routing_config)
+
+  def experts(self) -> moe_lib.Experts:
+    """The routed experts' stacked matrices (quantized stacks dequantized whole, as before)."""
+    return moe_lib.Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
 
   def __call__(self, x):
-    combine = shard(self.routing(x), (BATCH, SEQ, EXPERT))
-    expert_axes = (BATCH, SEQ, EXPERT, None)
-    gate = einsum("BTD,EDF->BTEF", x, self.gate_proj[...], expert_axes)
-    up = einsum("BTD,EDF->BTEF", x, self.up_proj[...], expert_axes)
-    h = jax.nn.silu(gate) * up * combine[..., None].astype(x.dtype)
-    y = einsum("BTEF,EFD->BTD", h, self.down_proj[...], ACT)
+    y = moe_lib.routed_experts(x, self.gate[...], self.e_score_correction_bias[...],
+                               self.experts(), self.routing_config, self.impl, ACT,
+                               (BATCH, SEQ, EXPERT, None))
     if self.cfg.n_shared_experts:
       y = y + self.shared_experts(x)
     return y

@@ -1,0 +1,33 @@
+#!/usr/bin/env python3
+"""MoE forward time against the number of experts at a fixed top-k (dense vs grouped)."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from eagle3jax.bench_moe import markdown, moe_scaling  # noqa: E402
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--experts", default="16,64,256", help="comma-separated expert counts")
+  p.add_argument("--top-k", type=int, default=4)
+  p.add_argument("--hidden", type=int, default=512, help="model width D")
+  p.add_argument("--ffn", type=int, default=256, help="expert MLP width F")
+  p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--json", default=None, help="also write the result here")
+  args = p.parse_args()
+  result = moe_scaling(tuple(int(e) for e in args.experts.split(",")), args.top_k, args.hidden,
+                       args.ffn, args.repeats)
+  print(markdown(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
