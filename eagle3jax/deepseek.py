@@ -34,6 +34,7 @@ from flax import nnx
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax import moe as moe_lib
+from eagle3jax import quant
 from eagle3jax import stack as stack_lib
 from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
@@ -187,8 +188,10 @@ class MoE(nnx.Module):
                                    self.routing_config)
 
   def experts(self) -> moe_lib.Experts:
-    """The routed experts' stacked matrices (quantized stacks dequantized whole, as before)."""
-    return moe_lib.Experts(self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+    """The routed experts' stacked matrices as held (quantized ones as ``QuantizedArrays``:
+    the grouped paths dequantize only the experts the tokens chose)."""
+    return moe_lib.Experts(quant.arrays(self.gate_proj), quant.arrays(self.up_proj),
+                           quant.arrays(self.down_proj))
 
   def __call__(self, x):
     y = moe_lib.routed_experts(x, self.gate[...], self.e_score_correction_bias[...],

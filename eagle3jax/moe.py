@@ -56,6 +56,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from eagle3jax import quant
 from eagle3jax.sharding import out_spec, shard
 
 IMPLS = ("auto", "reference", "gather", "tiles", "ragged")
@@ -79,6 +80,26 @@ def unrolled_tiles():
     yield
   finally:
     _UNROLL_TILES.pop()
+
+
+_BACKEND = [None]
+# Under ``as_accelerator`` decode-sized calls (pairs up to this many times the local experts)
+# gather per pair, a loop-free program that cost_analysis counts exactly; it reads at most this
+# factor times the weights a grouped kernel would.
+_PLAN_GATHER_FACTOR = 4
+
+
+@contextlib.contextmanager
+def as_accelerator():
+  """Chooses ``auto`` paths as on a GPU/TPU while tracing on XLA:CPU, except that ``ragged``
+  (evaluated densely over every group on XLA:CPU) is replaced by ``tiles``: how
+  ``eagle3jax.plan`` compiles the serving programs of a GPU node on fake CPU devices. Calls of
+  up to ``_PLAN_GATHER_FACTOR`` pairs per local expert (decode rounds) gather per pair."""
+  _BACKEND.append("accelerator")
+  try:
+    yield
+  finally:
+    _BACKEND.pop()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,13 +155,14 @@ class Experts(NamedTuple):
 # --- the one accessor of expert matrices ---
 
 def take(w, ids: jax.Array) -> jax.Array:
-  """``w[ids]``: the matrices of experts ``ids`` (any shape) as a plain array."""
-  return w[ids]
+  """``w[ids]``: the matrices of experts ``ids`` (any shape) as a plain array; quantized
+  experts (``quant.QuantizedArrays``) are gathered as stored and only those dequantized."""
+  return quant.take(w, ids)
 
 
 def full(w) -> jax.Array:
-  """All experts' matrices ``[E, ...]`` as a plain array."""
-  return w[...]
+  """All experts' matrices ``[E, ...]`` as a plain array (quantized ones dequantized)."""
+  return quant.dequantize(w)
 
 
 def _num_experts(w) -> int:
@@ -219,9 +241,14 @@ def choose_impl(num_tokens: int, top_k: int, num_local_experts: int, impl: str =
     raise ValueError(f"unknown MoE impl {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  if jax.default_backend() == "cpu":
+  accelerator = _BACKEND[-1] == "accelerator"
+  if jax.default_backend() == "cpu" and not accelerator:
     return "tiles"
-  return "gather" if num_tokens * top_k <= num_local_experts else "ragged"
+  if accelerator and num_tokens * top_k <= _PLAN_GATHER_FACTOR * num_local_experts:
+    return "gather"
+  if num_tokens * top_k <= num_local_experts:
+    return "gather"
+  return "tiles" if jax.default_backend() == "cpu" else "ragged"
 
 
 def tile_size(num_pairs: int, num_local_experts: int) -> int:

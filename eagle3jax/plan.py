@@ -22,7 +22,12 @@ stated acceptance length.
 ``cost_analysis`` counts a loop body once, and the layers run as ``lax.scan`` loops, so each
 stack's per-layer cost is measured by compiling the round again with one layer of each scan
 segment peeled out of its loop (``eagle3jax.stack.peeled``), and added for the iterations the
-loops run beyond the one counted (see ``round_cost``). Costs come from XLA:CPU's optimised program (its fusion decisions, not a GPU's), so the
+loops run beyond the one counted (see ``round_cost``). Mixture-of-experts layers are compiled
+as a GPU would run them (``eagle3jax.moe.as_accelerator``): a decode round with up to four
+(token, expert) pairs per local expert gathers each pair's expert (a loop-free program, counted
+exactly; it reads at most 4x, at batch 1 on Kimi-K2.5 1.3x, the expert weights a grouped kernel
+reads once); larger calls (prefill) run the ``tiles`` loop in place of ``ragged_dot``, whose
+cost_analysis counts one tile. Costs come from XLA:CPU's optimised program (its fusion decisions, not a GPU's), so the
 roofline is a first estimate, to be compared with a real run (``scripts/gpu_check.sh``).
 """
 
@@ -39,6 +44,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from eagle3jax import engine as eng
+from eagle3jax import moe
 from eagle3jax import stack as stack_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
@@ -222,7 +228,7 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
   mesh = make_mesh(data, tensor)
   if batch % data:
     raise ValueError(f"batch={batch} must be a multiple of the mesh's data={data}")
-  with jax.set_mesh(mesh):
+  with jax.set_mesh(mesh), moe.as_accelerator():
     graphdef, params, target, drafter, capture = build(hf_cfg, drafter_hf, mesh, dtype=dtype,
                                                        quantization=quantization)
     spec = _engine_spec(capture, steps, topk, draft_tokens)

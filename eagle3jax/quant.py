@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -126,13 +127,44 @@ class QuantizedParam(nnx.Module):
   @property
   def shape(self) -> tuple[int, ...]:
     """The dequantized shape (a stacked module's includes the layer axis)."""
-    shape = list(self.values.get_value().shape)
-    if self.scheme.kind == INT4_GROUP:
-      shape[len(shape) - self.n_out - 1] *= 2
-    return tuple(shape)
+    return _dequantized_shape(self.values.get_value().shape, self.scheme, self.n_out)
 
   def __getitem__(self, index):
     return dequantize(self)[index]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedArrays:
+  """The arrays of a ``QuantizedParam`` as a plain pytree (values and scale are its leaves, the
+  scheme static), for code that passes weights through ``jax.shard_map`` or ``lax.scan``:
+  ``dequantize`` and ``take`` read it like the parameter."""
+  values: jax.Array
+  scale: jax.Array
+  scheme: QuantScheme = dataclasses.field(metadata=dict(static=True))
+  n_out: int = dataclasses.field(metadata=dict(static=True))
+  dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    """The dequantized shape of the arrays held (a shard's, inside ``shard_map``)."""
+    return _dequantized_shape(self.values.shape, self.scheme, self.n_out)
+
+
+def arrays(w):
+  """A weight's arrays: ``QuantizedArrays`` for a ``QuantizedParam``, else the plain array."""
+  if isinstance(w, QuantizedParam):
+    return QuantizedArrays(w.values[...], w.scale[...], w.scheme, w.n_out, w.dtype)
+  if isinstance(w, nnx.Variable):
+    return w[...]
+  return w
+
+
+def _dequantized_shape(vshape, scheme: QuantScheme, n_out: int) -> tuple[int, ...]:
+  shape = list(vshape)
+  if scheme.kind == INT4_GROUP:
+    shape[len(shape) - n_out - 1] *= 2
+  return tuple(shape)
 
 
 def linear_param(shape, axes, dtype, *, n_out: int, scheme: QuantScheme | None = None,
@@ -166,8 +198,9 @@ def _dequantize_arrays(values, scale, scheme: QuantScheme, n_out: int, dtype):
 def dequantize(w, dtype=None):
   """The weight as an array: ``QuantizedParam`` dequantized (to ``dtype``, default its own),
   a plain ``nnx.Variable`` read, an array returned (cast to ``dtype`` when given)."""
-  if isinstance(w, QuantizedParam):
-    return _dequantize_arrays(w.values[...], w.scale[...], w.scheme, w.n_out,
+  if isinstance(w, (QuantizedParam, QuantizedArrays)):
+    w = arrays(w)
+    return _dequantize_arrays(w.values, w.scale, w.scheme, w.n_out,
                               w.dtype if dtype is None else dtype)
   if isinstance(w, nnx.Variable):
     w = w[...]
@@ -183,9 +216,10 @@ def take(w, ids, axis: int = 0, dtype=None, out_sharding=None):
   applied to values and scales alike); by default the gathered rows are replicated and the
   other dims keep their sharding.
   """
-  if isinstance(w, QuantizedParam):
-    values = _gather(w.values[...], ids, axis, out_sharding)
-    scale = _gather(w.scale[...], ids, axis, out_sharding)
+  if isinstance(w, (QuantizedParam, QuantizedArrays)):
+    w = arrays(w)
+    values = _gather(w.values, ids, axis, out_sharding)
+    scale = _gather(w.scale, ids, axis, out_sharding)
     return _dequantize_arrays(values, scale, w.scheme, w.n_out,
                               w.dtype if dtype is None else dtype)
   return dequantize(_gather(dequantize(w), ids, axis, out_sharding), dtype)

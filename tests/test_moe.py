@@ -169,6 +169,58 @@ def test_expert_parallel_equals_one_device(mesh_shape):
     assert "all-reduce" in hlo
 
 
+# --- quantized experts (eagle3jax.quant) ---
+
+def _quantized_experts(rng, e, kind):
+  """Random INT4 / FP8 experts as ``quant.QuantizedArrays`` (gate/up ``[E, D, F]``, down
+  ``[E, F, D]``), stored as the loader holds them."""
+  from eagle3jax import quant  # pylint: disable=import-outside-toplevel
+  scheme = quant.QuantScheme(kind, group_size=4, block_out=4)
+
+  def w(shape):
+    vshape, sshape = scheme.layout(shape, 1)
+    kinds = quant._INITS  # pylint: disable=protected-access
+    values = quant.random_part(kinds[(kind, "values")], vshape, rng, 0.2)
+    scale = quant.random_part(kinds[(kind, "scale")], sshape, rng, 0.2)
+    return quant.QuantizedArrays(jnp.asarray(values), jnp.asarray(scale), scheme, 1,
+                                 jnp.dtype(jnp.float32))
+  return moe.Experts(w((e, D, F)), w((e, D, F)), w((e, F, D)))
+
+
+@pytest.mark.parametrize("kind", ["int4_group", "fp8_block"])
+def test_quantized_experts_equal_their_dequantized_reference(kind):
+  """Grouped paths read INT4 / FP8 experts as stored (only chosen experts dequantized) and
+  equal the dense reference on the dequantized stack; also expert-parallel on (1, 8)."""
+  from eagle3jax import quant  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(5)
+  e, n, k = 32, 24, 4
+  qex = _quantized_experts(rng, e, kind)
+  dense = moe.Experts(*(quant.dequantize(w) for w in qex))
+  assert dense.gate.shape == (e, D, F) and dense.down.shape == (e, F, D)
+  x = jnp.asarray(rng.normal(size=(n, D)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]), jnp.int32)
+  weights = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+  want = _reference(x, ids, weights, dense)
+  for impl in ("gather", "tiles", "ragged"):
+    got = jax.jit(functools.partial(moe.grouped, impl=impl))(x, ids, weights, qex)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0,
+                               err_msg=impl)
+  rc = moe.RoutingConfig(num_experts=e, top_k=k, n_group=4, topk_group=2,
+                         routed_scaling_factor=2.0)
+  gate, bias = _router(rng, e)
+  xb = x.reshape(2, n // 2, D)
+  want = moe.routed_experts(xb, gate, bias, dense, rc, "reference")
+  mesh = eagle3jax.make_mesh(1, 8)
+  rep = NamedSharding(mesh, P())
+  with jax.set_mesh(mesh):
+    ex = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P("tensor"))), qex)
+    for impl in ("gather", "tiles"):
+      got = jax.jit(functools.partial(moe.routed_experts, rc=rc, impl=impl))(
+          jax.device_put(xb, rep), jax.device_put(gate, rep), jax.device_put(bias, rep), ex)
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=0,
+                                 err_msg=f"{impl} on (1, 8)")
+
+
 # --- cost scales with top-k, not with E ---
 
 def _flops(fn, *args):

@@ -400,16 +400,21 @@ def test_greedy_speculative_on_quantized_target_is_lossless(int4_target):
 
 
 def test_compiled_forward_never_dequantizes_a_whole_stack(int4_target):
-  """Per-layer dequantized experts appear in the program; the stacked ones never do."""
+  """The routed experts are read as stored (packed INT4 stacks in the program) and only the
+  chosen experts are dequantized: neither the stacked [L, E, ...] experts nor one layer's
+  [E, ...] appear dequantized, while one expert's matrix does."""
   graphdef, state = nnx.split(int4_target)
   tokens = jnp.zeros((1, 8), jnp.int32)
   with jax.set_mesh(int4_target.mesh):
     hlo = api._forward.lower(graphdef, state, tokens, None).compile().as_text()
   dims = lambda s: "[" + ",".join(map(str, s)) + "]"  # pylint: disable=unnecessary-lambda-assignment
-  stacked = [sub.shape for _, sub in nnx.iter_graph(int4_target)
+  stacked = [sub for _, sub in nnx.iter_graph(int4_target)
              if isinstance(sub, quant.QuantizedParam)]
-  assert len(stacked) == 3 and all(s[0] == 2 for s in stacked)  # the MoE stack's experts
-  for shape in stacked:
-    assert f"f32{dims(shape[1:])}" in hlo  # one layer's experts, dequantized
+  assert len(stacked) == 3 and all(w.shape[0] == 2 for w in stacked)  # the MoE stack's experts
+  for w in stacked:
+    shape = w.shape
+    assert f"u8{dims(w.values.get_value().shape)}" in hlo  # held as stored
+    assert f"f32{dims(shape[2:])}" in hlo  # one expert's matrix, dequantized
     for dt in ("f32", "bf16"):
       assert f"{dt}{dims(shape)}" not in hlo
+      assert f"{dt}{dims(shape[1:])}" not in hlo
