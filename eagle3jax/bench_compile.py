@@ -33,7 +33,8 @@ def _models(num_layers: int, mesh):
   cfg = LlamaConfig.tiny(num_hidden_layers=num_layers, hidden_size=128, intermediate_size=256,
                          num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
   target = init_target(cfg, mesh=mesh)
-  capture = CaptureSpec((1, num_layers // 2 - 1, num_layers - 4))
+  capture = (CaptureSpec.eagle3_default(num_layers) if num_layers >= 7 else
+             CaptureSpec((0, num_layers // 2, num_layers - 1)))
   drafter = init_drafter(DrafterConfig.for_target(cfg, capture), target=target)
   return target, drafter, capture
 

@@ -45,3 +45,18 @@ def test_compiled_program_does_not_grow_with_depth():
   small, deep = _program_sizes(8), _program_sizes(40)
   for name in small:
     assert deep[name] < 1.02 * small[name], (name, small[name], deep[name])
+
+
+def test_compile_benchmark_reports_medians_and_ratios():
+  """scripts/bench_compile.py's measurement on two small depths: every program compiles, each
+  depth has a median, a range and a ratio to the first depth (1 for the first)."""
+  from eagle3jax import bench_compile  # pylint: disable=import-outside-toplevel
+  result = bench_compile.compile_scaling((3, 5), repeats=1, log=lambda m: None)
+  first, second = result["rows"]
+  assert first["forward_ratio"] == first["decode_ratio"] == 1.0
+  for row in result["rows"]:
+    for k in ("forward", "decode"):
+      lo, hi = row[k + "_range_s"]
+      assert 0 < lo <= row[k + "_s"] <= hi
+  assert second["layers"] == 5 and second["decode_ratio"] > 0
+  assert "| 5 |" in bench_compile.markdown(result)
