@@ -25,6 +25,7 @@ import os
 import re
 
 import jax.numpy as jnp
+import ml_dtypes
 from jax.sharding import Mesh
 
 from eagle3jax.config import LlamaConfig
@@ -164,7 +165,8 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
       except ValueError as e:
         raise ValueError(f"checkpoint {path!r}: {e}") from None
       first = entry.hf_names[0]
-      check_finite(values, first, f"checkpoint {path!r}")
+      check_finite(values.view(ml_dtypes.float8_e4m3fn) if qcfg.scheme.kind == "fp8_block"
+                   else values, first, f"checkpoint {path!r}")  # FP8 values are e4m3 bytes
       check_finite(scale, first.removesuffix(".weight") + " scales", f"checkpoint {path!r}")
       last.clear()
       last[module] = {"values": values, "scale": scale}

@@ -33,6 +33,7 @@ roofline is a first estimate, to be compared with a real run (``scripts/gpu_chec
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import time
@@ -168,28 +169,104 @@ def _cost(compiled) -> np.ndarray:
   return np.asarray([float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))])
 
 
+def _peeled_costs(graphdef, params, target, capture, spec, batch, max_len, base, log):
+  """``{stack offset: (layers, segments, cost of one layer as peeled)}`` (see ``round_cost``)."""
+  out = {}
+  for offset, (layers, nseg, npeel) in _layer_counts(target, capture).items():
+    if npeel == 0:
+      out[offset] = (layers, nseg, None)  # every segment is one layer: counted exactly
+      continue
+    t0 = time.perf_counter()
+    # The trace caches do not see the peeling: clear them around the peeled program.
+    jax.clear_caches()
+    with stack_lib.peeled({offset}):
+      _, decode, _ = _lower(graphdef, params, target, capture, spec, batch, 16, max_len)
+      per_layer = (_cost(decode.compile()) - base) / npeel
+    jax.clear_caches()
+    if not (per_layer > 0).all():
+      raise RuntimeError(f"peeling a layer of the stack at layer {offset} did not add to the "
+                         f"round's cost ({per_layer}); the per-layer cost is unknown")
+    log(f"  {target.num_layers}-layer model: a layer of the stack at layer {offset} "
+        f"peeled, compiled in {time.perf_counter() - t0:.1f} s: {per_layer[0]:.4g} FLOPs, "
+        f"{per_layer[1]:.4g} bytes per layer")
+    out[offset] = (layers, nseg, per_layer)
+  return out
+
+
+def _shallow(hf_cfg: dict, drafter_hf: dict | None):
+  """The config with about half the layers (DeepSeek: the MoE layers halved, the dense ones
+  kept) and the drafter's capture ids scaled to it."""
+  hf = copy.deepcopy(hf_cfg)
+  text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else hf
+  total = text["num_hidden_layers"]
+  dense = min(int(text.get("first_k_dense_replace") or 0), total) if hf_model_type(
+      hf_cfg) in DEEPSEEK_MODEL_TYPES else 0
+  rest = total - dense
+  # Half the depth, but at least 6 layers where the model has more (below that XLA's fusion
+  # choices make the per-layer cost of a peeled layer vary with depth).
+  half = dense + (rest + 1) // 2 if rest else (total + 1) // 2
+  text["num_hidden_layers"] = min(max(half, 6), total - 1)
+  if drafter_hf is None:
+    return hf, None
+  dr = copy.deepcopy(drafter_hf)
+  eagle = dict(dr.get("eagle_config") or {})
+  key = "eagle_aux_hidden_state_layer_ids"
+  ids = eagle.get(key, dr.get(key))
+  if ids:
+    scaled, n = [], text["num_hidden_layers"]
+    for i in ids:
+      j = min(max(round(i * n / total), -1), n - 1)
+      while j in scaled:
+        j += 1
+      scaled.append(j)
+    if scaled[-1] > n - 1:
+      scaled = list(range(n - len(ids), n))
+    eagle[key] = scaled
+    dr["eagle_config"] = eagle
+    dr.pop(key, None)
+  return hf, dr
+
+
 def round_cost(graphdef, params, target, capture, spec, *, batch, max_len, decode_compiled,
-               log=print) -> dict:
+               hf_cfg=None, drafter_hf=None, mesh=None, dtype=jnp.bfloat16,
+               quantization="keep", log=print) -> dict:
   """Per-device FLOPs and bytes accessed of one decode round at the real depth.
 
   ``cost_analysis`` counts a loop body once: the compiled round holds each scan segment's layer
   once. For each stack the round is compiled again with every segment's first layer peeled out
-  of its scan (``eagle3jax.stack.peeled``); the difference is that stack's per-layer cost times
-  the number of peeled segments, and the round's cost is the scanned program's plus the layers
-  its loops run beyond the one they count. Every other part of the round (the drafter, the
-  commit over the stacked caches, sampling) is counted as compiled at the real size.
+  of its scan (``eagle3jax.stack.peeled``); the difference is that stack's per-layer cost, and
+  the round's cost is the scanned program's plus the layers its loops run beyond the one they
+  count. A layer peeled out of its loop also counts a copy of the stacked cache it updates (a
+  cost that grows with depth and that the loop, updating in place, does not pay), so the
+  per-layer cost is measured again on a model of about half the depth (``hf_cfg`` given) and
+  extrapolated to zero depth. Every other part of the round (the drafter, the commit over the
+  stacked caches, sampling) is counted as compiled at the real size.
   """
   base = _cost(decode_compiled)
+  real = _peeled_costs(graphdef, params, target, capture, spec, batch, max_len, base, log)
+  shallow = None
+  if hf_cfg is not None and any(p is not None for _, _, p in real.values()):
+    hf2, dr2 = _shallow(hf_cfg, drafter_hf)
+    g2, p2, t2, _, c2 = build(hf2, dr2, mesh, dtype=dtype, quantization=quantization)
+    if 0 < t2.num_layers < target.num_layers:
+      t0 = time.perf_counter()
+      jax.clear_caches()
+      spec2 = dataclasses.replace(spec, capture=c2)
+      _, decode2, _ = _lower(g2, p2, t2, c2, spec2, batch, 16, max_len)
+      base2 = _cost(decode2.compile())
+      log(f"  {t2.num_layers}-layer model compiled in {time.perf_counter() - t0:.1f} s")
+      log(f"  round at {target.num_layers} layers as compiled: {base[0]:.4g} FLOPs, "
+          f"{base[1]:.4g} bytes; at {t2.num_layers}: {base2[0]:.4g}, {base2[1]:.4g}")
+      shallow = (t2.num_layers,
+                 _peeled_costs(g2, p2, t2, c2, spec2, batch, max_len, base2, log))
   total = base.copy()
-  for offset, (layers, nseg, npeel) in _layer_counts(target, capture).items():
-    if npeel == 0:
-      continue  # every segment is one layer: already counted exactly
-    t0 = time.perf_counter()
-    with stack_lib.peeled({offset}):
-      _, decode, _ = _lower(graphdef, params, target, capture, spec, batch, 16, max_len)
-      per_layer = (_cost(decode.compile()) - base) / npeel
-    log(f"  per-layer cost of the stack at layer {offset} compiled in "
-        f"{time.perf_counter() - t0:.1f} s")
+  depth = target.num_layers
+  for offset, (layers, nseg, per_layer) in real.items():
+    if per_layer is None:
+      continue
+    if shallow is not None and shallow[1].get(offset, (0, 0, None))[2] is not None:
+      d2, p2_ = shallow[0], shallow[1][offset][2]
+      per_layer = np.maximum((depth * p2_ - d2 * per_layer) / (depth - d2), 0.0)
     total += (layers - nseg) * per_layer
   return {"flops": float(total[0]), "bytes": float(total[1])}
 
@@ -269,7 +346,8 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     if with_cost:
       t0 = time.perf_counter()
       cost = round_cost(graphdef, params, target, capture, spec, batch=batch, max_len=max_len,
-                        decode_compiled=decode_c, log=log)
+                        decode_compiled=decode_c, hf_cfg=hf_cfg, drafter_hf=drafter_hf,
+                        mesh=mesh, dtype=dtype, quantization=quantization, log=log)
       round_s = max(cost["flops"] / dev.flops_per_s, cost["bytes"] / dev.hbm_bytes_per_s)
       result.update({
           "flops_per_round": cost["flops"], "bytes_per_round": cost["bytes"],

@@ -5,7 +5,9 @@ transpose of Hugging Face's ``[out, in]``, heads split out; ``lead`` is e.g. the
 A ``QuantizedParam`` holds it as two parameters with the weight's logical axes, so both shard
 as the weight would:
 
-* ``values``: FP8 (``fp8_block``): float8 e4m3 in the weight's shape. INT4 (``int4_group``):
+* ``values``: FP8 (``fp8_block``): the bytes of float8 e4m3 (held as uint8: XLA:CPU converts
+  a float8 stack whole where a scan slices it, an integer stack it slices in place; decoded by
+  bit arithmetic next to the matmul) in the weight's shape. INT4 (``int4_group``):
   uint8 ``[*lead, *in_dims[:-1], in_last / 2, *out_dims]``, two 4-bit values per byte along the
   last in dim (element ``2j`` in the low nibble, ``2j + 1`` in the high one), each stored
   offset by 8 (``q + 8``, ``q`` in ``[-8, 7]``): the byte order of compressed-tensors'
@@ -68,7 +70,7 @@ class QuantScheme:
 
   @property
   def values_dtype(self):
-    return ml_dtypes.float8_e4m3fn if self.kind == FP8_BLOCK else np.uint8
+    return np.uint8  # FP8: the bytes of e4m3 (see the module docstring)
 
   @property
   def scale_dtype(self):
@@ -176,6 +178,18 @@ def linear_param(shape, axes, dtype, *, n_out: int, scheme: QuantScheme | None =
   return QuantizedParam(shape, axes, scheme, n_out=n_out, dtype=dtype)
 
 
+def _e4m3_bits_to_f32(v):
+  """float8 e4m3fn bytes (uint8) as float32, by bit arithmetic (elementwise, any sharding):
+  sign, 4 exponent bits (bias 7; 0 = subnormal), 3 mantissa bits; 0x7f / 0xff are NaN."""
+  v = v.astype(jnp.int32)
+  e = (v >> 3) & 0xF
+  m = (v & 7).astype(jnp.float32)
+  mag = jnp.where(e == 0, m * 2.0 ** -9,
+                  (8.0 + m) * jnp.exp2((e - 10).astype(jnp.float32)))
+  mag = jnp.where((v & 0x7F) == 0x7F, jnp.nan, mag)
+  return jnp.where(v >= 0x80, -mag, mag)
+
+
 def _dequantize_arrays(values, scale, scheme: QuantScheme, n_out: int, dtype):
   """``values * scale`` per group (arrays as ``QuantizedParam`` holds them, any lead dims)."""
   ax = values.ndim - n_out - 1
@@ -185,7 +199,7 @@ def _dequantize_arrays(values, scale, scheme: QuantScheme, n_out: int, dtype):
     q = jnp.stack([lo, hi], axis=ax + 1)                       # [..., in/2, 2, *out]
     q = q.reshape(values.shape[:ax] + (values.shape[ax] * 2,) + values.shape[ax + 1:])
   else:
-    q = values
+    q = _e4m3_bits_to_f32(values)
   # Each scale repeated over its group (not a [groups, g] split of the weight's in dim, which
   # a tensor-sharded in dim with fewer groups than shards cannot take under Explicit axes).
   mesh = jax.sharding.get_abstract_mesh()
@@ -270,6 +284,6 @@ def random_part(init: str, shape, rng: np.random.Generator, std: float) -> np.nd
   if part == "values":
     if kind == INT4_GROUP:
       return rng.integers(0, 256, shape).astype(np.uint8)
-    return (8.0 * rng.normal(size=shape)).astype(ml_dtypes.float8_e4m3fn)
+    return (8.0 * rng.normal(size=shape)).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
   spread = std / (4.6 if kind == INT4_GROUP else 8.0)
   return (spread * rng.uniform(0.5, 1.5, shape)).astype(np.float32)

@@ -44,7 +44,8 @@ def _to_ours(flat: np.ndarray, linear: weights_lib.Linear, in_last: int) -> np.n
 
 def fp8_to_device(weight: np.ndarray, scale_inv: np.ndarray, scheme: QuantScheme,
                   linear: weights_lib.Linear, name: str = "weight"):
-  """(values e4m3 ``[*in, *out]``, scale float32 ``[*in[:-1], in_last/g, *out]``)."""
+  """(values: the e4m3 bytes as uint8 ``[*in, *out]``, scale float32
+  ``[*in[:-1], in_last/g, *out]``)."""
   out, n_in = math.prod(linear.out_dims), math.prod(linear.in_dims)
   if weight.dtype != _FP8:
     raise ValueError(f"{name} is {weight.dtype}, but quantization_config says it is float8 "
@@ -61,7 +62,7 @@ def fp8_to_device(weight: np.ndarray, scale_inv: np.ndarray, scheme: QuantScheme
   g = scheme.group(in_last)
   rows = np.repeat(np.asarray(scale_inv, np.float32), bo, axis=0)[:out]
   scale = _to_ours(_in_groups(rows, n_in, bi, g), linear, in_last // g)
-  return linear.to_ours(np.asarray(weight)), np.ascontiguousarray(scale)
+  return linear.to_ours(np.asarray(weight).view(np.uint8)), np.ascontiguousarray(scale)
 
 
 def int4_to_device(packed: np.ndarray, scale: np.ndarray, shape: np.ndarray,

@@ -84,10 +84,10 @@ def test_drafter_and_deepseek_latent_cache_bytes():
 def test_round_cost_counts_every_layer_once():
   """The round's cost at depth L: at least the matmuls over every layer's weights for the
   verified tokens and one read of the weights and caches, and linear in L (equal increments
-  from 4 to 7 and from 7 to 10 layers: neither a loop body counted once nor a cost quadratic
+  from 8 to 11 and from 11 to 14 layers: neither a loop body counted once nor a cost quadratic
   in depth)."""
   flops, nbytes = [], []
-  for n in (4, 7, 10):
+  for n in (8, 11, 14):
     hf = dict(LLAMA, num_hidden_layers=n)
     dr = dict(DRAFTER, eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, n - 1],
                                      "aux_layer_convention": "output"})
@@ -120,3 +120,26 @@ def test_script_json_and_errors(tmp_path):
   bad = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(cfg), "--mesh", "x"],
                        capture_output=True, text=True, timeout=60, check=False)
   assert bad.returncode == 2 and "--mesh" in bad.stderr
+
+
+def _published(name):
+  with open(f"configs/{name}.json") as f:
+    return json.load(f)
+
+
+def test_published_seed_models_fit_one_node_only_as_stored():
+  """The real configs on (1, 8) H200s at batch 1 x 32k: Kimi-K2.5 fits with its INT4 experts
+  held as stored and does not fit dequantized to bf16; DeepSeek-V3 fits with FP8 kept."""
+  quiet = lambda m: None  # noqa: E731
+  kimi = plan_lib.plan(_published("kimi-k2.5"), _published("kimi-k2.5-eagle3"), data=1,
+                       tensor=8, batch=1, context=32768, with_cost=False, log=quiet)
+  assert kimi["fits"], kimi["per_device"]
+  assert kimi["capture"] == [2, 30, 58] and kimi["tree"] == [7, 1, 8]
+  # INT4 experts: 0.5 byte per weight plus a bf16 scale per 32: far below bf16's 2 bytes.
+  assert 60 * 2**30 < kimi["per_device"]["weights"] < 80 * 2**30
+  deq = plan_lib.plan(_published("kimi-k2.5"), data=1, tensor=8, batch=1, context=32768,
+                      quantization="dequantize", with_cost=False, log=quiet)
+  assert not deq["fits"] and deq["per_device"]["weights"] > 200 * 2**30
+  ds = plan_lib.plan(_published("deepseek-v3"), data=1, tensor=8, batch=1, context=32768,
+                     with_cost=False, log=quiet)
+  assert ds["fits"], ds["per_device"]
