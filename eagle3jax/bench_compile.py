@@ -71,6 +71,7 @@ def compile_scaling(depths=(6, 48), repeats: int = 3, mesh=None, log=print) -> d
   times = {d: {"forward": [], "decode": []} for d in depths}
   for r in range(repeats):
     for d in depths:
+      jax.clear_caches()  # each compile from scratch (XLA and JAX keep compiled programs)
       progs = lowered_programs(d, mesh)
       t0 = time.perf_counter()
       progs["forward"].compile()

@@ -51,7 +51,7 @@ def test_compile_benchmark_reports_medians_and_ratios():
   """scripts/bench_compile.py's measurement on two small depths: every program compiles, each
   depth has a median, a range and a ratio to the first depth (1 for the first)."""
   from eagle3jax import bench_compile  # pylint: disable=import-outside-toplevel
-  result = bench_compile.compile_scaling((3, 5), repeats=1, log=lambda m: None)
+  result = bench_compile.compile_scaling((3, 5), repeats=2, log=lambda m: None)
   first, second = result["rows"]
   assert first["forward_ratio"] == first["decode_ratio"] == 1.0
   for row in result["rows"]:
