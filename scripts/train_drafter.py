@@ -59,6 +59,10 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
                    help="text prompts, one per line, tokenised with DIR/tokenizer.json")
   src.add_argument("--prompt-ids-file", metavar="FILE",
                    help="JSON list of token-id lists (instead of --prompts)")
+  p.add_argument("--heldout-prompt-ids-file", metavar="FILE",
+                 help="JSON list of token-id lists kept out of training: the drafter's "
+                      "acceptance on them is measured and recorded with it (the live monitor "
+                      "of generate compares against it)")
   p.add_argument("--config", metavar="JSON",
                  help="JSON file of TrainConfig fields; flags below override it")
   p.add_argument("--capture", metavar="IDS",
@@ -88,22 +92,25 @@ def _ints(text: str, flag: str) -> list[int]:
     raise ValueError(f"{flag} {text!r} must be comma-separated integers") from None
 
 
+def _read_ids_file(path: str, flag: str) -> list[list[int]]:
+  if not os.path.isfile(path):
+    raise ValueError(f"{flag} {path!r} does not exist")
+  with open(path) as f:
+    try:
+      prompts = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{flag} {path!r} is not JSON: {e}") from None
+  if (not isinstance(prompts, list) or not prompts
+      or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+                 for p in prompts)):
+    raise ValueError(f"{flag} {path!r} must hold a non-empty JSON list of non-empty lists of "
+                     "integers")
+  return prompts
+
+
 def _read_prompts(args) -> list[list[int]]:
   if args.prompt_ids_file:
-    if not os.path.isfile(args.prompt_ids_file):
-      raise ValueError(f"--prompt-ids-file {args.prompt_ids_file!r} does not exist")
-    with open(args.prompt_ids_file) as f:
-      try:
-        prompts = json.load(f)
-      except ValueError as e:
-        raise ValueError(f"--prompt-ids-file {args.prompt_ids_file!r} is not JSON: {e}") \
-            from None
-    if (not isinstance(prompts, list) or not prompts
-        or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
-                   for p in prompts)):
-      raise ValueError(f"--prompt-ids-file {args.prompt_ids_file!r} must hold a non-empty "
-                       "JSON list of non-empty lists of integers")
-    return prompts
+    return _read_ids_file(args.prompt_ids_file, "--prompt-ids-file")
   if not os.path.isfile(args.prompts):
     raise ValueError(f"--prompts {args.prompts!r} does not exist")
   tok_path = os.path.join(args.target, "tokenizer.json")
@@ -147,6 +154,8 @@ def run(argv=None) -> int:
       raise ValueError(f"--mesh {args.mesh!r} must be DATA,TENSOR (two integers)")
     config = _train_config(args, TrainConfig)
     prompts = _read_prompts(args)
+    heldout = (_read_ids_file(args.heldout_prompt_ids_file, "--heldout-prompt-ids-file")
+               if args.heldout_prompt_ids_file else None)
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import eagle3jax  # pylint: disable=import-outside-toplevel
     from eagle3jax import distributed  # pylint: disable=import-outside-toplevel
@@ -156,7 +165,7 @@ def run(argv=None) -> int:
     capture = (eagle3jax.CaptureSpec(tuple(_ints(args.capture, "--capture")))
                if args.capture else None)
     result = eagle3jax.train_drafter(target, prompts, args.out, config, capture=capture,
-                                     progress=not args.no_progress)
+                                     progress=not args.no_progress, heldout_prompts=heldout)
   except (ValueError, OSError) as e:
     print(f"train_drafter.py: error: {e}", file=sys.stderr)
     return 2

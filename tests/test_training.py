@@ -269,7 +269,7 @@ def test_script_help_documents_every_flag(capsys):
   assert e.value.code == 0
   text = capsys.readouterr().out
   for flag in ("--target", "--out", "--prompts", "--prompt-ids-file", "--config",
-               "--capture", "--mesh"):
+               "--capture", "--mesh", "--heldout-prompt-ids-file"):
     assert flag in text
   for f in training.TrainConfig.__dataclass_fields__:
     assert "--" + f.replace("_", "-") in text
@@ -284,6 +284,20 @@ def test_script_config_and_flags(tmp_path):
        "--ttt-steps", "5", "--b2", "0.99"])
   cfg = mod._train_config(args, training.TrainConfig)
   assert (cfg.learning_rate, cfg.ttt_steps, cfg.b2) == (0.01, 5, 0.99)
+
+
+def test_script_heldout_prompts_are_checked(tmp_path, capsys):
+  prompts = tmp_path / "p.json"
+  prompts.write_text("[[1, 2, 3]]")
+  bad = tmp_path / "h.json"
+  bad.write_text('[[1, 2], "x"]')
+  for path, message in ((str(tmp_path / "none.json"), "does not exist"),
+                        (str(bad), "must hold a non-empty JSON list of non-empty lists")):
+    argv = ["--target", ".", "--out", "o", "--prompt-ids-file", str(prompts),
+            "--heldout-prompt-ids-file", path]
+    assert _script().run(argv) == 2
+    err = capsys.readouterr().err
+    assert f"--heldout-prompt-ids-file {path!r} {message}" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.parametrize("argv, message", [
