@@ -107,7 +107,7 @@ class DecoderLM(nnx.Module):
       return layer(x, positions, k_buf, v_buf, lengths, tree_mask, attention_impl)
 
     stacks = self.layer_stacks()
-    bounds = [(off, off + stack_lib.stack_size(st)) for st, off in stacks]
+    bounds = stack_lib.stack_bounds(stacks)
     cuts = [] if capture is None else [i for i in capture.layer_ids if i >= 0]
     kv = None if cache is None else (cache.k, cache.v)
     for s, start, end in stack_lib.segments(bounds, cuts):

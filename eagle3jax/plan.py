@@ -154,7 +154,7 @@ def _layer_counts(target, capture) -> dict[int, tuple[int, int, int]]:
   """Per stack (by its first layer's global index): ``(layers, segments, segments of two or
   more layers)`` of one forward that captures ``capture``."""
   stacks = target.layer_stacks()
-  bounds = [(off, off + stack_lib.stack_size(st)) for st, off in stacks]
+  bounds = stack_lib.stack_bounds(stacks)
   cuts = [] if capture is None else [i for i in capture.layer_ids if i >= 0]
   segs = stack_lib.segments(bounds, cuts)
   out = {}

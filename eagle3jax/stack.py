@@ -79,6 +79,11 @@ def layer_at(stack: nnx.Module, i) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
 
 
+def stack_bounds(stacks) -> list[tuple[int, int]]:
+  """``[(start, end)]`` global layer ranges of ``[(stack, offset)]`` (``layer_stacks()``)."""
+  return [(off, off + stack_size(st)) for st, off in stacks]
+
+
 def segments(bounds: Sequence[tuple[int, int]], cuts: Sequence[int]) -> list[tuple[int, int, int]]:
   """Splits stacks into scan segments.
 

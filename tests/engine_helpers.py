@@ -29,6 +29,19 @@ def copy_drafter(tgt, capture=CAPTURE):
   return make_copy_drafter(random_drafter(tgt, capture), tgt)
 
 
+def full_vocab_copy_drafter(tgt, capture):
+  """``copy_drafter`` for any target family (Llama or DeepSeek config), with the full
+  vocabulary as draft vocabulary."""
+  from eagle3jax.rope import RopeConfig  # pylint: disable=import-outside-toplevel
+  c = tgt.config
+  dcfg = eagle3jax.DrafterConfig(
+      hidden_size=c.hidden_size, intermediate_size=88, num_attention_heads=8,
+      num_key_value_heads=2, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
+      capture=capture, rms_norm_eps=c.rms_norm_eps, rope=RopeConfig(theta=10000.0),
+      max_position_embeddings=c.max_position_embeddings)
+  return make_copy_drafter(eagle3jax.init_drafter(dcfg, target=tgt, seed=1, std=0.1), tgt)
+
+
 def make_copy_drafter(dr, tgt):
   """Sets ``dr``'s weights so that it proposes the token two positions back (see above)."""
   d = tgt.config.hidden_size

@@ -31,7 +31,6 @@ from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.hf_target import check_hf_config, read_config, target_factory
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
-from eagle3jax.rope import RopeConfig
 from eagle3jax.sharding import param_spec
 from eagle3jax.weights import Linear, deepseek_table
 from tests import deepseek_models as dm
@@ -390,15 +389,7 @@ def int4_target():
 
 
 def test_greedy_speculative_on_quantized_target_is_lossless(int4_target):
-  capture = CaptureSpec((-1, 0, 2))
-  cfg = int4_target.config
-  dcfg = eagle3jax.DrafterConfig(
-      hidden_size=cfg.hidden_size, intermediate_size=88, num_attention_heads=8,
-      num_key_value_heads=2, vocab_size=cfg.vocab_size, draft_vocab_size=cfg.vocab_size,
-      capture=capture, rms_norm_eps=cfg.rms_norm_eps, rope=RopeConfig(theta=10000.0),
-      max_position_embeddings=cfg.max_position_embeddings)
-  dr = engine_helpers.make_copy_drafter(
-      eagle3jax.init_drafter(dcfg, target=int4_target, seed=1, std=0.1), int4_target)
+  dr = engine_helpers.full_vocab_copy_drafter(int4_target, CaptureSpec((-1, 0, 2)))
   prompts = [[5, 6, 7, 8, 9, 10, 3], [1, 3, 4]]
   base = eagle3jax.generate(int4_target, None, prompts, max_new_tokens=12).tokens
   res = eagle3jax.generate(int4_target, dr, prompts, max_new_tokens=12, num_steps=3, topk=1,

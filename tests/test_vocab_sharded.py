@@ -21,7 +21,6 @@ from eagle3jax import sampling, training
 from eagle3jax import vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek_config import DeepseekConfig
-from eagle3jax.rope import RopeConfig
 from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.training import data as data_lib, trainer as trainer_lib
 from eagle3jax.tree import TreeShape
@@ -105,19 +104,6 @@ def test_reductions_on_sharded_rows_equal_single_device():
     np.testing.assert_array_equal(np.asarray(noise), ref_gumbel)   # layout-independent draws
 
 
-def _copy_drafter(tgt, capture):
-  """``engine_helpers.copy_drafter`` with the full vocabulary as draft vocabulary (any
-  target family)."""
-  c = tgt.config
-  dcfg = eagle3jax.DrafterConfig(
-      hidden_size=c.hidden_size, intermediate_size=88, num_attention_heads=8,
-      num_key_value_heads=2, vocab_size=c.vocab_size, draft_vocab_size=c.vocab_size,
-      capture=capture, rms_norm_eps=c.rms_norm_eps, rope=RopeConfig(theta=10000.0),
-      max_position_embeddings=c.max_position_embeddings)
-  dr = eagle3jax.init_drafter(dcfg, target=tgt, seed=1, std=0.1)
-  return h.make_copy_drafter(dr, tgt)
-
-
 DEEPSEEK = DeepseekConfig.tiny(vocab_size=V, num_hidden_layers=3, eos_token_ids=())
 
 
@@ -133,7 +119,7 @@ def test_greedy_tokens_on_tensor8_equal_tensor1(family, tree):
   tgt, capture = make(eagle3jax.make_mesh(1, 8))
   assert jax.typeof(tgt.lm_head[...]).sharding.spec == P(None, "tensor")
   steps, topk, draft = tree
-  out = eagle3jax.generate(tgt, _copy_drafter(tgt, capture), h.PROMPTS, max_new_tokens=24,
+  out = eagle3jax.generate(tgt, h.full_vocab_copy_drafter(tgt, capture), h.PROMPTS, max_new_tokens=24,
                            num_steps=steps, topk=topk, num_draft_tokens=draft, eos_ids=[])
   assert out.tokens == ref
   assert out.stats["accept_length_mean"] > 1.0   # drafts were accepted: acceptance ran
