@@ -4,7 +4,8 @@
 provides ``config`` (``rms_norm_eps``, ``tie_word_embeddings``, ``num_hidden_layers``,
 ``hidden_size``), ``embed_tokens``, ``layer_stacks()`` (the stacked layer modules of
 ``eagle3jax.stack`` with the global index of their first layer; each layer is called as
-``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)``), ``norm``,
+``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)`` with
+``kv_cache.LayerKV`` views as buffers), ``norm``,
 ``lm_head`` when untied, and ``allocate_cache``. The layers run as scans over segments that
 end at the captured layers (``eagle3jax.stack``). Captures follow ``eagle3jax.capture``: every
 captured tensor goes through ``CaptureSpec.annotate`` here and nowhere else.

@@ -115,11 +115,11 @@ class MLAttention(nnx.Module):
     ckv, k_pe = self.latents(x, positions)
     q_nope, q_pe = self.queries(x, positions)
     if k_buf is None:  # full sequence: the new tokens are the whole key set
-      k_buf, v_buf = ckv, k_pe
-    else:
-      k_buf = kv_lib.write(k_buf, ckv, lengths)
-      v_buf = kv_lib.write(v_buf, k_pe, lengths)
-    out = self.attend(q_nope, q_pe, k_buf[:, :, 0], v_buf[:, :, 0], lengths, tree_mask)
+      keys, values = ckv, k_pe
+    else:  # kv_cache.LayerKV views: write the new latents, attend over the layer's slab
+      k_buf, v_buf = k_buf.write(ckv, lengths), v_buf.write(k_pe, lengths)
+      keys, values = k_buf.read(), v_buf.read()
+    out = self.attend(q_nope, q_pe, keys[:, :, 0], values[:, :, 0], lengths, tree_mask)
     return einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT), k_buf, v_buf
 
   def attend(self, q_nope, q_pe, ckv, k_pe, lengths, tree_mask):

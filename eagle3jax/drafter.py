@@ -226,12 +226,14 @@ class Eagle3Drafter(nnx.Module):
     else:
       lengths = cache.lengths
       start = lengths if write_at is None else write_at
-      k_buf = kv_lib.write(cache.k[0], k, start)
-      v_buf = kv_lib.write(cache.v[0], v, start)
+      k_view = kv_lib.LayerKV(cache.k, 0).write(k, start)
+      v_view = kv_lib.LayerKV(cache.v, 0).write(v, start)
+      k_buf, v_buf = k_view.read(), v_view.read()
     o = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask, scale=self.attention_scale,
                         impl="xla")
     a = self.attention_output(hidden, o)
-    new_cache = None if cache is None else kv_lib.KVCache(k_buf[None], v_buf[None], lengths)
+    new_cache = (None if cache is None
+                 else kv_lib.KVCache(k_view.stacked, v_view.stacked, lengths))
     return a, new_cache
 
 

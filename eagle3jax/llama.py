@@ -76,11 +76,11 @@ class LlamaAttention(nnx.Module):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if k_buf is None:  # full sequence: the new tokens are the whole key set
-      k_buf, v_buf = k, v
-    else:
-      k_buf = kv_lib.write(k_buf, k, lengths)
-      v_buf = kv_lib.write(v_buf, v, lengths)
-    out = attn_lib.attend(q, k_buf, v_buf, lengths, tree_mask,
+      keys, values = k, v
+    else:  # kv_cache.LayerKV views: write the new tokens, attend over the layer's slab
+      k_buf, v_buf = k_buf.write(k, lengths), v_buf.write(v, lengths)
+      keys, values = k_buf.read(), v_buf.read()
+    out = attn_lib.attend(q, keys, values, lengths, tree_mask,
                           scale=1.0 / math.sqrt(q.shape[-1]), impl=impl)
     y = einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT)
     if cfg.o_bias:

@@ -9,7 +9,7 @@ out between two segments, where it goes through ``CaptureSpec.annotate`` as befo
 
 Each scan step slices layer ``i`` out of the stacked parameters by index (the whole stack is
 the scan's constant, never copied per segment) and reads/writes layer ``i`` of the stacked
-KV cache (``eagle3jax.kv_cache``) in place.
+KV cache (``eagle3jax.kv_cache.LayerKV``) in place: a layer writes only its new tokens.
 
 Parameters of a stack record ``layer_offset``, the global index of its first layer, so that
 loaders (``eagle3jax.params.materialize``) ask for layer ``offset + l`` by its per-layer name
@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from eagle3jax import kv_cache as kv_lib
 from eagle3jax.sharding import LAYERS
 
 
@@ -112,8 +113,8 @@ def scan_layers(stack: nnx.Module, offset: int, start: int, end: int, x: jax.Arr
     start, end: the global layer range of this segment.
     x: ``[B, T, D]`` hidden states entering layer ``start``.
     cache_kv: ``(k, v)`` stacked caches ``[L, ...]`` indexed by global layer, or None.
-    step: ``step(layer, x, k_buf, v_buf) -> (x, k_buf, v_buf)`` for one layer (buffers None
-      without a cache).
+    step: ``step(layer, x, k_buf, v_buf) -> (x, k_buf, v_buf)`` for one layer: the buffers are
+      ``kv_cache.LayerKV`` views of layer ``g`` (None without a cache).
 
   Returns:
     ``(x, cache_kv)`` after the segment.
@@ -126,9 +127,9 @@ def scan_layers(stack: nnx.Module, offset: int, start: int, end: int, x: jax.Arr
     if kv is None:
       x, _, _ = step(layer, x, None, None)
       return (x, None), None
-    k_all, v_all = kv
-    x, k_buf, v_buf = step(layer, x, k_all[g], v_all[g])
-    return (x, (k_all.at[g].set(k_buf), v_all.at[g].set(v_buf))), None
+    k_view, v_view = kv_lib.LayerKV(kv[0], g), kv_lib.LayerKV(kv[1], g)
+    x, k_view, v_view = step(layer, x, k_view, v_view)
+    return (x, (k_view.stacked, v_view.stacked)), None
 
   if offset in _PEEL[-1] and end - start >= 2:
     (x, cache_kv), _ = body((x, cache_kv), jnp.int32(start))
