@@ -204,25 +204,51 @@ def _draft_tree(drafter, st: DecodeState, spec: EngineSpec):
   return tokens, parent, depth, mask, dcache
 
 
-def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec):
-  tree = spec.tree
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Draft:
+  """A round's draft tree (step 1): ``tokens/parent/depth [B, P]``, ``mask [B, P, P]`` and the
+  drafter cache holding the tree K/V beyond its committed length."""
+  tokens: jax.Array
+  parent: jax.Array
+  depth: jax.Array
+  mask: jax.Array
+  draft_cache: KVCache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Commit:
+  """Steps 3-4 of a round: ``acc [B]`` accepted drafts, ``bonus [B]``, ``new_m [B]`` committed
+  lengths, ``new_tokens [B, W]`` the next tokens at the committed positions, ``feats
+  [B, W, k*Dt]`` their target features, and the target cache with the path committed."""
+  acc: jax.Array
+  bonus: jax.Array
+  new_m: jax.Array
+  new_tokens: jax.Array
+  feats: jax.Array
+  target_cache: KVCache
+
+
+def phase_draft(drafter, st: DecodeState, spec: EngineSpec) -> Draft:
+  """Step 1: the draft tree."""
+  with jax.named_scope("draft"):
+    return Draft(*_draft(drafter, st, spec))
+
+
+def phase_verify(target, st: DecodeState, draft: Draft, spec: EngineSpec):
+  """Step 2: one target extend over the tree; returns ``(logits, aux, target cache)``."""
+  with jax.named_scope("verify"):
+    return target(draft.tokens, st.target_cache.lengths[:, None] + draft.depth,
+                  st.target_cache, draft.mask, spec.capture, attention_impl=spec.attention_impl)
+
+
+def phase_accept_commit(st: DecodeState, draft: Draft, logits, aux, tcache: KVCache,
+                        dyn: Dynamic, round_keys, spec: EngineSpec) -> Commit:
+  """Steps 3-4: accept the draft, commit the path's K/V, gather the path's features."""
   w = spec.commit_width
   m = st.target_cache.lengths
-  b = m.shape[0]
-  active = ~st.done
-  # Greedy rounds draw nothing: the keys stay as they are.
-  keys, round_keys = (st.keys, None) if spec.sampling.greedy else _split_keys(st.keys)
-
-  # --- Step 1: draft ---
-  with jax.named_scope("draft"):
-    tokens, parent, depth, mask, dcache = _draft(drafter, st, spec)
-
-  # --- Step 2: verify ---
-  with jax.named_scope("verify"):
-    logits, aux, tcache = target(tokens, m[:, None] + depth, st.target_cache, mask,
-                                 spec.capture, attention_impl=spec.attention_impl)
-
-  # --- Step 3: accept ---
+  tokens, parent, depth, mask = draft.tokens, draft.parent, draft.depth, draft.mask
   with jax.named_scope("accept"):
     if spec.sampling.greedy:
       best, acc, bonus = acceptance.greedy(logits, tokens, parent, depth, mask)
@@ -230,38 +256,55 @@ def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec
       probs = probabilities(logits, dyn.temperature, dyn.top_p, spec.sampling.top_k)
       best, acc, bonus = acceptance.rejection_sample(
           probs, tokens, parent, depth, jax.vmap(jax.random.wrap_key_data)(round_keys),
-          tree.num_steps)
-
-  # --- Step 4: commit ---
+          spec.tree.num_steps)
   with jax.named_scope("commit"):
     mask_row = pick_rows(mask, best)
     path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
-    new_m = jnp.where(active, m + acc + 1, m)
+    new_m = jnp.where(~st.done, m + acc + 1, m)
     tcache = _commit_cache(tcache, path, new_m)
     d = jnp.arange(w, dtype=jnp.int32)[None, :]
     after = gather_rows(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1))
     new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]
-    feats = gather_rows(aux, path)              # [B, W, k*Dt]
+    feats = gather_rows(aux, path)                                           # [B, W, k*Dt]
+  return Commit(acc, bonus, new_m, new_tokens, feats, tcache)
 
-  # --- Step 5: drafter catch-up over the committed positions ---
+
+def phase_catch_up(drafter, st: DecodeState, dcache: KVCache, c: Commit, spec: EngineSpec):
+  """Step 5: the drafter over the committed positions (real context replaces the tree K/V);
+  returns ``(d_hidden [B, D], drafter cache)``."""
+  w = spec.commit_width
+  m = st.target_cache.lengths
+  b = m.shape[0]
   with jax.named_scope("catch_up"):
+    d = jnp.arange(w, dtype=jnp.int32)[None, :]
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w))
-    a, dcache = drafter(new_tokens, drafter.project(feats), m[:, None] + d,
+    a, dcache = drafter(c.new_tokens, drafter.project(c.feats), m[:, None] + d,
                         dcache.with_lengths(m), causal)
-    d_hidden = pick_rows(a, acc)
-    dcache = dcache.with_lengths(new_m)
+    return pick_rows(a, c.acc), dcache.with_lengths(c.new_m)
+
+
+def _spec_round(target, drafter, st: DecodeState, dyn: Dynamic, spec: EngineSpec):
+  b = st.target_cache.lengths.shape[0]
+  w = spec.commit_width
+  active = ~st.done
+  # Greedy rounds draw nothing: the keys stay as they are.
+  keys, round_keys = (st.keys, None) if spec.sampling.greedy else _split_keys(st.keys)
+  draft = phase_draft(drafter, st, spec)
+  logits, aux, tcache = phase_verify(target, st, draft, spec)
+  c = phase_accept_commit(st, draft, logits, aux, tcache, dyn, round_keys, spec)
+  d_hidden, dcache = phase_catch_up(drafter, st, draft.draft_cache, c, spec)
 
   # --- Step 6: emit, stop ---
-  out, out_len, finished = _emit(st, new_tokens, acc + 1, dyn)
-  full = new_m + spec.slots_needed > tcache.max_len
+  out, out_len, finished = _emit(st, c.new_tokens, c.acc + 1, dyn)
+  full = c.new_m + spec.slots_needed > c.target_cache.max_len
   keep = lambda new, old: jnp.where(  # noqa: E731
       active.reshape((b,) + (1,) * (new.ndim - 1)), new, old)
   return DecodeState(
-      target_cache=tcache, draft_cache=dcache, bonus=keep(bonus, st.bonus),
+      target_cache=c.target_cache, draft_cache=dcache, bonus=keep(c.bonus, st.bonus),
       d_hidden=keep(d_hidden.astype(st.d_hidden.dtype), st.d_hidden), out=keep(out, st.out),
       out_len=keep(out_len, st.out_len), done=st.done | finished | full, keys=keys,
-      rounds=st.rounds + active, accepted=st.accepted + jnp.where(active, acc + 1, 0),
-      hist=st.hist + (jax.nn.one_hot(acc, w, dtype=jnp.int32) * active[:, None]))
+      rounds=st.rounds + active, accepted=st.accepted + jnp.where(active, c.acc + 1, 0),
+      hist=st.hist + (jax.nn.one_hot(c.acc, w, dtype=jnp.int32) * active[:, None]))
 
 
 def _ar_round(target, st: DecodeState, dyn: Dynamic, spec: EngineSpec):

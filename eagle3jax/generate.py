@@ -79,6 +79,36 @@ def _compiled(name, fn, *args, **static):
   return hit, 0.0
 
 
+def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
+          max_new_tokens: int, eos: np.ndarray, seed: int = 0, temperature: float = 0.0,
+          top_p: float = 1.0):
+  """Pads validated ``prompts`` to their bucket, sizes the cache and runs the (compiled,
+  cached) prefill under the target's mesh. Returns ``(graphdef, params, state, dynamic,
+  prefill seconds, compile seconds)``: what the decode loop, or ``eagle3jax.round_profile``,
+  continues from."""
+  b = len(prompts)
+  t = prompt_bucket(max(len(p) for p in prompts))
+  max_len = _cache_len(t + max_new_tokens + spec.slots_needed + spec.commit_width + 1)
+  out_size = max_new_tokens + spec.commit_width
+  tokens = np.zeros((b, t), np.int32)
+  for i, p in enumerate(prompts):
+    tokens[i, :len(p)] = p
+  lengths = np.array([len(p) for p in prompts], np.int32)
+  graphdef, params = nnx.split((target, drafter))
+  keys = jax.random.key_data(jax.random.split(jax.random.key(seed), b))
+  keys = shard(jnp.asarray(keys), (BATCH, None))
+  dyn = eng.Dynamic(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
+                    eos=jnp.asarray(eos), max_new=jnp.int32(max_new_tokens))
+  tokens_d = shard(jnp.asarray(tokens), (BATCH, SEQ))
+  lengths_d = shard(jnp.asarray(lengths), (BATCH,))
+  prefill, c1 = _compiled("prefill", eng._prefill_jit, graphdef, params, tokens_d, lengths_d,
+                          keys, dyn, spec=spec, max_len=max_len, out_size=out_size)
+  t0 = time.perf_counter()
+  st = prefill(params, tokens_d, lengths_d, keys, dyn)
+  jax.block_until_ready(st.out)
+  return graphdef, params, st, dyn, time.perf_counter() - t0, c1
+
+
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, num_steps: int = 5, topk: int = 1,
              num_draft_tokens: int = 6, capture: CaptureSpec | Sequence[int] | None = None,
@@ -160,29 +190,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   eos_arr[:len(eos)] = eos
 
   b = len(prompts)
-  t = prompt_bucket(longest)
-  max_len = _cache_len(t + max_new_tokens + spec.slots_needed + spec.commit_width + 1)
-  out_size = max_new_tokens + spec.commit_width
-  tokens = np.zeros((b, t), np.int32)
-  for i, p in enumerate(prompts):
-    tokens[i, :len(p)] = p
-  lengths = np.array([len(p) for p in prompts], np.int32)
-
-  graphdef, params = nnx.split((target, drafter))
   with jax.set_mesh(target.mesh):
-    keys = jax.random.key_data(jax.random.split(jax.random.key(seed), b))
-    keys = shard(jnp.asarray(keys), (BATCH, None))
-    dyn = eng.Dynamic(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
-                      eos=jnp.asarray(eos_arr), max_new=jnp.int32(max_new_tokens))
-    tokens_d = shard(jnp.asarray(tokens), (BATCH, SEQ))
-    lengths_d = shard(jnp.asarray(lengths), (BATCH,))
-    prefill, c1 = _compiled("prefill", eng._prefill_jit, graphdef, params, tokens_d,
-                            lengths_d, keys, dyn, spec=spec, max_len=max_len,
-                            out_size=out_size)
-    t0 = time.perf_counter()
-    st = prefill(params, tokens_d, lengths_d, keys, dyn)
-    jax.block_until_ready(st.out)
-    prefill_s = time.perf_counter() - t0
+    graphdef, params, st, dyn, prefill_s, c1 = start(
+        target, drafter, prompts, spec, max_new_tokens=max_new_tokens, eos=eos_arr, seed=seed,
+        temperature=temperature, top_p=top_p)
     budget = jnp.int32(1 if on_tokens else max_new_tokens + 1)
     decode, c2 = _compiled("decode", eng._decode_jit, graphdef, params, st, dyn, budget,
                            spec=spec)
