@@ -41,6 +41,9 @@ def parser() -> argparse.ArgumentParser:
                       "(auto: measure both readings)")
   p.add_argument("--no-verify-capture", action="store_true",
                  help="skip the load-time capture check (record or probe)")
+  p.add_argument("--layer-loop", choices=("scan", "split"), default=None,
+                 help="target layers as scans, or one-layer stacks (faster on CPU; default: "
+                      "split on CPU, scan elsewhere)")
   p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--baseline", action="store_true",
@@ -72,6 +75,7 @@ def run(argv=None) -> int:
 def _run(args) -> int:
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import eagle3jax  # pylint: disable=import-outside-toplevel
+  from eagle3jax.stack import default_layer_loop  # pylint: disable=import-outside-toplevel
   from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
 
   for flag, path in (("--target", args.target), ("--drafter", args.drafter)):
@@ -83,7 +87,8 @@ def _run(args) -> int:
   main = is_main_process()  # only process 0 prints
   mesh = _mesh(args.mesh)
   dtype = jnp.float32 if args.dtype == "float32" else jnp.bfloat16
-  target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype)
+  target = eagle3jax.load_target(args.target, mesh=mesh, dtype=dtype,
+                                 layer_loop=args.layer_loop or default_layer_loop())
   drafter = eagle3jax.load_drafter(args.drafter, target=target,
                                    aux_layer_convention=args.aux_layer_convention,
                                    verify_capture=not args.no_verify_capture)

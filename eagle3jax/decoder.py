@@ -2,7 +2,7 @@
 
 ``DecoderLM`` is the base of ``LlamaForCausalLM`` and ``DeepseekForCausalLM``. A subclass
 provides ``config`` (``rms_norm_eps``, ``tie_word_embeddings``, ``num_hidden_layers``,
-``hidden_size``), ``embed_tokens``, ``layer_stacks()`` (the stacked layer modules of
+``hidden_size``), ``embed_tokens``, ``stacked_layers()`` (the stacked layer modules of
 ``eagle3jax.stack`` with the global index of their first layer; each layer is called as
 ``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)`` with
 ``kv_cache.LayerKV`` views as buffers), ``norm``,
@@ -41,6 +41,31 @@ class DecoderLayer(nnx.Module):
 
 class DecoderLM(nnx.Module):
   """Shared forward of decoder-only target models (see the module docstring)."""
+
+  def layer_stacks(self):
+    """``[(stack, global index of its first layer)]`` in order (one-layer stacks after
+    ``split_layers``)."""
+    if hasattr(self, "layer_split"):
+      return list(zip(self.layer_split, self.split_offsets))
+    return self.stacked_layers()
+
+  def split_layers(self) -> None:
+    """Replaces the layer stacks by one-layer stacks (``eagle3jax.stack.split_stack``): no
+    weight copies per step on CPU, compile time proportional to depth. In place, once."""
+    if hasattr(self, "layer_split"):
+      return
+    stacks = self.stacked_layers()
+    parts = [p for stack, offset in stacks for p in stack_lib.split_stack(stack, offset)]
+    for stack, _ in stacks:
+      name = next(k for k, v in vars(self).items() if v is stack)
+      delattr(self, name)
+    self.layer_split = nnx.List([m for m, _ in parts])
+    self.split_offsets = tuple(off for _, off in parts)
+
+  @property
+  def layer_loop(self) -> str:
+    """``"split"`` after ``split_layers``, else ``"scan"``."""
+    return "split" if hasattr(self, "layer_split") else "scan"
 
   @property
   def num_layers(self) -> int:

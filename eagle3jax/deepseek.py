@@ -243,7 +243,7 @@ class DeepseekForCausalLM(DecoderLM):
       self.lm_head = linear_param((d, v), (EMBED, VOCAB), dtype, n_out=1,
                                   scheme=schemes.get("lm_head"))
 
-  def layer_stacks(self):
+  def stacked_layers(self):
     stacks = []
     if hasattr(self, "dense_layers"):
       stacks.append((self.dense_layers, 0))

@@ -37,7 +37,9 @@ def save_target(target, path: str, *, dtype=ml_dtypes.bfloat16, extra_config=Non
     axes = var.get_metadata()["axes"]
     value = np.asarray(jax.device_get(var.get_value()), np.float32)
     if axes[0] == LAYERS:  # stacked layers: one checkpoint tensor per layer
-      pieces = [(f"layers.{i}.{path_str(p[1:])}", value[i], axes[1:])
+      first = var.get_metadata()["layer_offset"]
+      sub = p[2:] if p[0] == "layer_split" else p[1:]  # one-layer stacks: layer_split.{n}.
+      pieces = [(f"layers.{first + i}.{path_str(sub)}", value[i], axes[1:])
                 for i in range(value.shape[0])]
     else:
       pieces = [(path_str(p), value, axes)]

@@ -37,6 +37,7 @@ from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.quant_io import read_dequantized, read_quantized
 from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR, single_device_mesh
+from eagle3jax import stack as stack_lib
 from eagle3jax import weights as weights_lib
 
 log = logging.getLogger("eagle3jax")
@@ -115,8 +116,17 @@ def _llama_factory(cfg: LlamaConfig, mesh: Mesh, dtype):
   return (lambda: LlamaForCausalLM(cfg, kv_repeat=kv_repeat, dtype=dtype)), kv_repeat
 
 
+def _layer_loop(model, layer_loop: str):
+  if layer_loop not in stack_lib.LAYER_LOOPS:
+    raise ValueError(f"layer_loop={layer_loop!r}; choose one of {stack_lib.LAYER_LOOPS} "
+                     "(eagle3jax.stack.default_layer_loop() picks for this backend)")
+  if layer_loop == "split":
+    model.split_layers()
+  return model
+
+
 def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
-                quantization: str = "keep"):
+                quantization: str = "keep", layer_loop: str = "scan"):
   """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2/Kimi-K2.5 checkpoint.
 
   Args:
@@ -129,6 +139,11 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
       int4 plus their scales, sharded like the weight) and dequantizes them inside the jitted
       forward next to their matmul (``eagle3jax.quant``); ``"dequantize"`` dequantizes them on
       the host to ``dtype``.
+    layer_loop: ``"scan"`` runs each stack of layers as a scan (compile time independent of
+      depth: the seed's 61 layers); ``"split"`` holds one-layer stacks, which XLA:CPU runs
+      without copying every layer's weights out of the stack per step (1.4-1.6x faster
+      decoding of the demo target on CPU; compile time grows with depth).
+      ``eagle3jax.stack.default_layer_loop()`` gives ``"split"`` on CPU.
 
   Returns:
     A ``LlamaForCausalLM`` (or, for ``model_type`` ``deepseek_v3``/``kimi_k2`` and Kimi-K2.5's
@@ -209,14 +224,15 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
     extra = [n for n in extra if n != prefix + "lm_head.weight"]  # tied copies are harmless
   refuse_unexpected(path, extra, cfg.model_type)
   model.mesh = mesh
-  return model
+  return _layer_loop(model, layer_loop)
 
 
 def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
-                seed: int = 0, std: float = 0.02):
-  """A randomly initialised target (the same weights on every mesh for the same seed)."""
+                seed: int = 0, std: float = 0.02, layer_loop: str = "scan"):
+  """A randomly initialised target (the same weights on every mesh for the same seed);
+  ``layer_loop`` as in ``load_target``."""
   mesh = mesh or single_device_mesh()
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
   model = materialize(factory, mesh, random_fill(seed, std), kv_repeat)
   model.mesh = mesh
-  return model
+  return _layer_loop(model, layer_loop)

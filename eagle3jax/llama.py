@@ -131,7 +131,7 @@ class LlamaForCausalLM(DecoderLM):
     if not cfg.tie_word_embeddings:
       self.lm_head = param((d, v), (EMBED, VOCAB), dtype)
 
-  def layer_stacks(self):
+  def stacked_layers(self):
     return [(self.layers, 0)]
 
   # --- cache geometry, for the engine ---

@@ -80,6 +80,35 @@ def layer_at(stack: nnx.Module, i) -> nnx.Module:
   return nnx.merge(graphdef, jax.tree.map(lambda w: w[i], state))
 
 
+LAYER_LOOPS = ("scan", "split")
+
+
+def default_layer_loop() -> str:
+  """``"split"`` on CPU, ``"scan"`` elsewhere (see ``split_stack``)."""
+  return "split" if jax.default_backend() == "cpu" else "scan"
+
+
+def split_stack(stack: nnx.Module, offset: int) -> list[tuple[nnx.Module, int]]:
+  """A stack as one-layer stacks ``[(stack_i, offset + i)]`` (called outside jit, once).
+
+  XLA:CPU copies a layer's weights out of a ``[L, ...]`` stack wherever a scan step slices them
+  for a matmul (3.2 MB per layer of the demo target: most of an autoregressive step). A
+  one-layer stack is read whole, which XLA reduces to the array itself, so the forward runs
+  without weight copies at the price of one copy of the layer program per layer (compile time
+  grows with depth again). Serving on CPU uses it (``layer_loop="split"``); accelerators and
+  deep targets keep the scan.
+  """
+  graphdef, state = nnx.split(stack)
+
+  def part(i):
+    def one(var):
+      return var.replace(jax.tree.map(lambda w: w[i:i + 1], var.get_value()),
+                         layer_offset=offset + i)
+    return nnx.merge(graphdef, jax.tree.map(one, state,
+                                            is_leaf=lambda x: isinstance(x, nnx.Variable)))
+  return [(part(i), offset + i) for i in range(stack_size(stack))]
+
+
 def stack_bounds(stacks) -> list[tuple[int, int]]:
   """``[(start, end)]`` global layer ranges of ``[(stack, offset)]`` (``layer_stacks()``)."""
   return [(off, off + stack_size(st)) for st, off in stacks]
@@ -131,6 +160,9 @@ def scan_layers(stack: nnx.Module, offset: int, start: int, end: int, x: jax.Arr
     x, k_view, v_view = step(layer, x, k_view, v_view)
     return (x, (k_view.stacked, v_view.stacked)), None
 
+  if end - start == 1:  # one layer (e.g. split stacks): no loop
+    (x, cache_kv), _ = body((x, cache_kv), jnp.int32(start))
+    return x, cache_kv
   if offset in _PEEL[-1] and end - start >= 2:
     (x, cache_kv), _ = body((x, cache_kv), jnp.int32(start))
     start += 1

@@ -70,6 +70,9 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
                       "i, -1 = embedding); default: the EAGLE-3 choice 1,L//2-1,L-4")
   p.add_argument("--mesh", default="1,1", metavar="DATA,TENSOR",
                  help="device mesh sizes (default 1,1)")
+  p.add_argument("--layer-loop", choices=("scan", "split"), default=None,
+                 help="target layers as scans, or one-layer stacks (faster on CPU; default: "
+                      "split on CPU, scan elsewhere)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="parameter dtype of target and drafter (default float32)")
   p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -158,10 +161,12 @@ def run(argv=None) -> int:
                if args.heldout_prompt_ids_file else None)
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
     import eagle3jax  # pylint: disable=import-outside-toplevel
+    from eagle3jax.stack import default_layer_loop  # pylint: disable=import-outside-toplevel
     from eagle3jax import distributed  # pylint: disable=import-outside-toplevel
     distributed.initialize_from_flags(args)
     mesh = eagle3jax.make_mesh(*mesh_sizes)
-    target = eagle3jax.load_target(args.target, mesh=mesh, dtype=getattr(jnp, args.dtype))
+    target = eagle3jax.load_target(args.target, mesh=mesh, dtype=getattr(jnp, args.dtype),
+                                   layer_loop=args.layer_loop or default_layer_loop())
     capture = (eagle3jax.CaptureSpec(tuple(_ints(args.capture, "--capture")))
                if args.capture else None)
     result = eagle3jax.train_drafter(target, prompts, args.out, config, capture=capture,

@@ -60,3 +60,37 @@ def test_compile_benchmark_reports_medians_and_ratios():
       assert 0 < lo <= row[k + "_s"] <= hi
   assert second["layers"] == 5 and second["decode_ratio"] > 0
   assert "| 5 |" in bench_compile.markdown(result)
+
+
+def test_split_layers_decode_and_export_exactly_like_the_scan(tmp_path):
+  """``layer_loop="split"`` (one-layer stacks, the CPU serving path) computes what the scan
+  does: same logits and captures, same greedy speculative tokens; exported, it is the same
+  checkpoint; bad values are refused by name."""
+  import pytest
+  from eagle3jax import stack
+  from eagle3jax.hf_export import save_target
+  from tests import engine_helpers as h
+  scan = h.target()
+  split = eagle3jax.init_target(h.CFG, seed=0, std=0.1, layer_loop="split")
+  assert (scan.layer_loop, split.layer_loop) == ("scan", "split")
+  assert [off for _, off in split.layer_stacks()] == list(range(h.CFG.num_hidden_layers))
+  ids = np.random.default_rng(0).integers(0, h.CFG.vocab_size, (2, 9))
+  a = eagle3jax.forward(scan, ids, capture=h.CAPTURE)
+  b = eagle3jax.forward(split, ids, capture=h.CAPTURE)
+  for x, y in ((a.logits, b.logits), (a.aux_hidden, b.aux_hidden)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6)
+  kw = dict(max_new_tokens=16, eos_ids=[], num_steps=3)
+  assert (eagle3jax.generate(split, h.copy_drafter(split), h.PROMPTS, **kw).tokens
+          == eagle3jax.generate(scan, h.copy_drafter(scan), h.PROMPTS, **kw).tokens)
+  save_target(scan, str(tmp_path / "scan"), dtype=np.float32)
+  save_target(split, str(tmp_path / "split"), dtype=np.float32)
+  back = eagle3jax.load_target(str(tmp_path / "split"), dtype=jnp.float32, layer_loop="split")
+  np.testing.assert_array_equal(np.asarray(eagle3jax.forward(back, ids).logits),
+                                np.asarray(b.logits))
+  from safetensors.numpy import load_file
+  x, y = load_file(str(tmp_path / "scan/model.safetensors")), load_file(
+      str(tmp_path / "split/model.safetensors"))
+  assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x)
+  assert stack.default_layer_loop() == "split"  # CPU
+  with pytest.raises(ValueError, match="layer_loop='unrolled'.*'scan', 'split'"):
+    eagle3jax.init_target(h.CFG, layer_loop="unrolled")
