@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from eagle3jax import acceptance, tree as tree_lib, vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
@@ -123,12 +124,21 @@ def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
 
 
 def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KVCache:
-  """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer."""
-  src = cache.lengths[:, None] + path                                     # [B, W]
-  def move(buf):                                                          # [B, S, K, H]
-    rows = gather_rows(buf, src)
-    return write(buf, rows, cache.lengths)
-  return KVCache(jax.vmap(move)(cache.k), jax.vmap(move)(cache.v), new_lengths)
+  """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer: one gather and
+  one in-place scatter (unique indices) over ``[L, B, S, K, H]``; a per-layer loop of
+  ``dynamic_update_slice`` made XLA:CPU copy the whole cache every round."""
+  w = path.shape[1]
+  rows = bm(jnp.broadcast_to(jnp.arange(path.shape[0], dtype=jnp.int32)[:, None], path.shape))
+  src = bm(cache.lengths[:, None] + path)                                 # [B, W]
+  dst = bm(cache.lengths[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :])
+
+  def move(buf):                                                          # [L, B, S, K, H]
+    sharding = jax.typeof(buf).sharding
+    spec = tuple(sharding.spec) + (None,) * buf.ndim
+    moved = buf.at[:, rows, src].get(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
+    return buf.at[:, rows, dst].set(moved, mode="promise_in_bounds", unique_indices=True,
+                                    out_sharding=sharding)
+  return KVCache(move(cache.k), move(cache.v), new_lengths)
 
 
 def _log_softmax(x):
