@@ -121,15 +121,18 @@ class DemoConfig:
   draft_steps: int = 2000
   draft_lr: float = 2e-3
   draft_batch: int = 8
-  ttt_steps: int = 5
+  ttt_steps: int = 7
+  heldout_every: int = 100
   seed: int = 0
 
 
 def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
-              log=print) -> None:
-  """Builds ``out_dir/{manifest.json, target/, drafter/}`` from scratch."""
+              log=print) -> list[dict]:
+  """Builds ``out_dir/{manifest.json, target/, drafter/}`` from scratch; returns the drafter's
+  learning curve (``make_drafter``)."""
   import jax.numpy as jnp
   import eagle3jax
+  from eagle3jax.stack import default_layer_loop
   from eagle3jax.hf_export import save_target
   from eagle3jax.training.lm import LMTrainConfig, train_lm
 
@@ -167,8 +170,9 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   losses = train_lm(target, stream, lm_cfg, lm_log)
   log(f"target: {len(losses)} steps, loss {losses[0]:.3f} -> {np.mean(losses[-20:]):.3f}")
   save_target(target, target_dir)
-  make_drafter(out_dir, cfg, log=log)
+  curve = make_drafter(out_dir, cfg, log=log)
   log(f"done in {time.perf_counter() - t_start:.0f} s")
+  return curve
 
 
 # The held-out prompts the benchmark and the drafter's recorded acceptance use.
@@ -189,13 +193,15 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   acceptance per tree shape (batch 1, as the benchmark). Returns that acceptance."""
   import jax.numpy as jnp
   import eagle3jax
+  from eagle3jax.stack import default_layer_loop
   from eagle3jax import monitor
   from eagle3jax.text import TextCodec
 
   target_dir = os.path.join(out_dir, "target")
   drafter_dir = os.path.join(out_dir, "drafter")
   tok = TextCodec(target_dir).tokenizer
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
+                                 layer_loop=default_layer_loop())
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
   with open(os.path.join(out_dir, "manifest.json")) as f:
     train_texts = read_files(json.load(f)["train"])
@@ -212,15 +218,17 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
 
 
 def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log=print,
-                 state_dir: str | None = None) -> None:
+                 state_dir: str | None = None) -> list[dict]:
   """Trains ``out_dir/drafter`` for the (already built) ``out_dir/target``.
 
   ``state_dir`` keeps the regenerated data and checkpoints (default: a temporary folder); a
-  run given the same folder resumes.
+  run given the same folder resumes. Returns the learning curve: held-out greedy acceptance
+  length at (7, 1, 8) every ``cfg.heldout_every`` steps (``plot_curve`` draws it).
   """
   import tempfile
   import jax.numpy as jnp
   import eagle3jax
+  from eagle3jax.stack import default_layer_loop
   from eagle3jax.text import TextCodec
   from eagle3jax.training import TrainConfig, train_drafter
 
@@ -230,7 +238,8 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
     manifest = json.load(f)
   train_texts = read_files(manifest["train"])
   tok = TextCodec(target_dir).tokenizer
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
+                                 layer_loop=default_layer_loop())
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   seq_len = cfg.prompt_len + cfg.response_len
   dcfg = TrainConfig(learning_rate=cfg.draft_lr, warmup_steps=min(60, cfg.draft_steps // 5),
@@ -239,15 +248,41 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
                      max_new_tokens=cfg.response_len, temperature=0.0, gen_batch_size=128,
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps)
+  t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     result = train_drafter(target, prompts, drafter_dir, dcfg,
                            checkpoint_dir=state_dir or tmp, progress=False,
-                           heldout_prompts=heldout_prompts(out_dir, tok))
+                           heldout_prompts=heldout_prompts(out_dir, tok),
+                           heldout_every=cfg.heldout_every)
   last = result.history[-1] if result.history else {}
-  log(f"drafter: {len(result.history)} steps, coverage {result.vocab.coverage:.3f}, "
-      f"last loss {last.get('loss')}, step accuracy {last.get('acc')}")
+  log(f"drafter: {len(result.history)} steps in {time.perf_counter() - t0:.0f} s, coverage "
+      f"{result.vocab.coverage:.3f}, last loss {last.get('loss')}, step accuracy "
+      f"{last.get('acc')}")
+  for point in result.curve:
+    log(f"  held-out acceptance at step {point['step']}: {point['accept_length']:.2f} "
+        f"({point['seconds']:.0f} s)")
   import ml_dtypes
   _to_bf16(drafter_dir, ml_dtypes.bfloat16)
+  # The record keeps the acceptance of the stored (bfloat16) drafter at batch 1, as the
+  # benchmark measures it.
+  reexport_drafter(out_dir, cfg, log=log)
+  return result.curve
+
+
+def plot_curve(curve: list[dict], path: str, title: str = "") -> None:
+  """Held-out acceptance length against training steps (PNG)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(figsize=(6, 3.6))
+  ax.plot([p["step"] for p in curve], [p["accept_length"] for p in curve], "o-")
+  ax.set_xlabel("training step (8 sequences each)")
+  ax.set_ylabel("held-out acceptance length, (7, 1, 8)")
+  ax.set_title(title or "drafter learning curve (8 held-out prompts, greedy)")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 def _to_bf16(drafter_dir: str, dtype) -> None:

@@ -4,12 +4,16 @@ drafter. Takes about 1.5 hours on a 2-core CPU with the defaults."""
 
 import argparse
 import dataclasses
+import json
+import logging
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
-from eagle3jax.demo import DEFAULT_DIR, DemoConfig, make_demo, make_drafter  # noqa: E402
+from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, make_demo, make_drafter,  # noqa: E402
+                            plot_curve)
 
 
 def main() -> int:
@@ -17,6 +21,8 @@ def main() -> int:
   p.add_argument("--out", default=DEFAULT_DIR, help="output folder")
   p.add_argument("--drafter-only", action="store_true",
                  help="keep OUT/target and OUT/manifest.json; retrain only OUT/drafter")
+  p.add_argument("--curve", default=os.path.join(REPO, "docs", "drafter_curve.json"),
+                 help="where the drafter's learning curve goes (JSON; the PNG plot beside it)")
   p.add_argument("--state-dir", default=None,
                  help="with --drafter-only: keep the drafter's data and checkpoints here "
                       "(a run given the same folder resumes)")
@@ -25,12 +31,19 @@ def main() -> int:
                    default=field.default, help=f"DemoConfig.{field.name}")
   args = p.parse_args()
   cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
+  logging.basicConfig(format="%(message)s")
+  logging.getLogger("eagle3jax").setLevel(logging.INFO)  # the learning curve as it is measured
   try:
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.drafter_only:
-      make_drafter(args.out, cfg, log=log, state_dir=args.state_dir)
+      curve = make_drafter(args.out, cfg, log=log, state_dir=args.state_dir)
     else:
-      make_demo(args.out, cfg, log=log)
+      curve = make_demo(args.out, cfg, log=log)
+    if curve:
+      with open(args.curve, "w") as f:
+        json.dump({"config": dataclasses.asdict(cfg), "curve": curve}, f, indent=1)
+      plot_curve(curve, os.path.splitext(args.curve)[0] + ".png")
+      log(f"wrote {args.curve} and its plot")
   except (ValueError, OSError) as e:
     print(f"make_demo.py: error: {e}", file=sys.stderr)
     return 2

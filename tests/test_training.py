@@ -236,8 +236,22 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
 def test_export_load_decode_is_lossless(target, data, tmp_path):
   prompts, _ = data
   out = str(tmp_path / "drafter")
+  with pytest.raises(ValueError, match="heldout_every=10 needs heldout_prompts"):
+    eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False,
+                            heldout_every=10)
   result = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE,
-                                   progress=False)
+                                   progress=False, heldout_prompts=prompts[:2],
+                                   heldout_every=12, heldout_shape=(3, 1, 4))
+  # The learning curve: held-out acceptance every 12 steps and at the last one.
+  assert [p["step"] for p in result.curve] == [12, 24, 30]
+  assert all(p["accept_length"] >= 1 and p["seconds"] >= 0 for p in result.curve)
+  from eagle3jax import monitor
+  final = monitor.measure_acceptance(target, result.drafter, prompts[:2], ((3, 1, 4),),
+                                     eos_ids=[])
+  assert result.curve[-1]["accept_length"] == final["3,1,4"]
+  from eagle3jax.demo import plot_curve
+  plot_curve(result.curve, str(tmp_path / "curve.png"))
+  assert (tmp_path / "curve.png").stat().st_size > 1000
   assert os.path.exists(os.path.join(out, "config.json"))
   assert 0 < result.vocab.coverage <= 1
   loaded = eagle3jax.load_drafter(out, target=target)

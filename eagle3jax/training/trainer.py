@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import logging
 import os
+import time
 import zlib
 from typing import Sequence
 
@@ -40,6 +41,7 @@ from eagle3jax import capture_contract as contract
 from eagle3jax import distributed
 from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
@@ -380,10 +382,13 @@ def _progress_bar(**kwargs):
 
 @dataclasses.dataclass
 class TrainResult:
-  """What ``train_drafter`` returns: the trained drafter, the step records, the vocab."""
+  """What ``train_drafter`` returns: the trained drafter, the step records, the vocab, and the
+  learning curve (``{"step", "accept_length", "seconds"}`` per held-out measurement; empty
+  without ``heldout_every``)."""
   drafter: object
   history: list[dict]
   vocab: DraftVocab
+  curve: list[dict] = dataclasses.field(default_factory=list)
 
 
 def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
@@ -391,7 +396,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   capture: CaptureSpec | Sequence[int] | None = None,
                   checkpoint_dir: str | None = None, progress: bool = True,
                   drafter_overrides: dict | None = None,
-                  heldout_prompts: Sequence[Sequence[int]] | None = None) -> TrainResult:
+                  heldout_prompts: Sequence[Sequence[int]] | None = None,
+                  heldout_every: int = 0,
+                  heldout_shape: tuple[int, int, int] = (7, 1, 8)) -> TrainResult:
   """Trains an EAGLE-3 drafter for ``target`` and exports it to ``out_dir``.
 
   Steps: the target regenerates responses to ``prompts`` (saved with the checkpoints so a
@@ -412,6 +419,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     drafter_overrides: ``DrafterConfig`` fields to override (e.g. a smaller MLP).
     heldout_prompts: prompts the trained drafter's greedy acceptance is measured on (at
       ``monitor.DEFAULT_SHAPES``) and recorded for the live monitor (``eagle3jax.monitor``).
+    heldout_every: also measure the held-out acceptance length at ``heldout_shape`` (steps,
+      topk, draft tokens) every this many steps and at the end: the learning curve
+      (``TrainResult.curve``). 0: only at the end, for the record.
 
   The export carries the capture record (``eagle3jax.capture_contract``): features at the
   first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
@@ -446,10 +456,23 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   dcfg = DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
                                   **(drafter_overrides or {}))
   drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t)
+  if heldout_every < 0 or (heldout_every and not heldout_prompts):
+    raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
   trainer = Trainer(target, drafter, data, config,
                     checkpoint_dir=os.path.join(checkpoint_dir, "steps"))
+  curve, t0 = [], time.perf_counter()
   try:
-    trainer.train(progress=progress)
+    while True:
+      trainer.train(heldout_every or None, progress=progress)
+      if heldout_every:
+        steps, topk, tokens = heldout_shape
+        tau = monitor.measure_acceptance(target, trainer.drafter, list(heldout_prompts),
+                                         (heldout_shape,), eos_ids=[])
+        curve.append({"step": trainer.step, "accept_length": tau[tree_key(steps, topk, tokens)],
+                      "seconds": round(time.perf_counter() - t0, 1)})
+        log.info("held-out acceptance at step %d: %s", trainer.step, curve[-1])
+      if trainer.step >= config.total_steps:
+        break
     trainer.save()
   finally:
     trainer.close()
@@ -459,4 +482,4 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
   save_drafter(drafter, out_dir, target=target,
                calibration_ids=calibration[:contract.CALIBRATION_TOKENS], acceptance=acceptance)
-  return TrainResult(drafter, trainer.history, vocab)
+  return TrainResult(drafter, trainer.history, vocab, curve)
