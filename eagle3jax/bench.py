@@ -1,10 +1,14 @@
 """Greedy decoding benchmark on held-out prompts: acceptance, and speculative vs
-autoregressive vs ``transformers`` tokens/s measured side by side in one run."""
+autoregressive vs ``transformers`` tokens/s measured side by side in one run, repeated
+``runs`` times (medians and ranges), plus where a batch-1 round goes
+(``eagle3jax.round_profile``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import statistics
 import time
 
 import numpy as np
@@ -12,8 +16,27 @@ import numpy as np
 SETTINGS = ((3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8), (7, 10, 60))
 
 
+def spread(values) -> dict:
+  """``{"median", "min", "max", "runs"}`` of repeated measurements."""
+  values = [float(v) for v in values]
+  return {"median": statistics.median(values), "min": min(values), "max": max(values),
+          "runs": values}
+
+
+def machine() -> dict:
+  """What the numbers ran on: CPU model, cores, date."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return {"cpu": model, "cores": os.cpu_count(), "date": time.strftime("%Y-%m-%d")}
+
+
 def _run(gen, prompts, batch, *, paired=None):
-  """Decodes ``prompts`` in batches; returns (outputs, tokens/s, stats of all rounds).
+  """Decodes ``prompts`` in batches; returns (outputs, tokens/s, acceptance length,
+  acceptance per position, paired autoregressive tokens/s).
 
   ``paired``: another generate function run on each batch just before ``gen`` (the
   autoregressive baseline), so both are timed side by side over the same stretch of wall
@@ -40,37 +63,50 @@ def _run(gen, prompts, batch, *, paired=None):
   return outs, new / seconds, accepted / max(rounds, 1), pos, base
 
 
-def transformers_tokens_per_s(target_dir: str, prompts, max_new_tokens: int) -> float:
+class _Transformers:
   """``transformers`` greedy ``generate`` (PyTorch CPU, 2 threads) on the same weights."""
-  import torch
-  import transformers
-  torch.set_num_threads(2)
-  model = transformers.AutoModelForCausalLM.from_pretrained(target_dir,
-                                                            dtype=torch.float32).eval()
-  new, seconds = 0, 0.0
-  with torch.no_grad():
-    ids = torch.tensor([prompts[0]])
-    model.generate(ids, max_new_tokens=8, do_sample=False)  # warm-up
-    for p in prompts:
-      ids = torch.tensor([p])
-      t0 = time.perf_counter()
-      out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                           max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                           do_sample=False)
-      seconds += time.perf_counter() - t0
-      new += out.shape[1] - ids.shape[1]
-  return new / seconds
+
+  def __init__(self, target_dir: str):
+    import torch
+    import transformers
+    torch.set_num_threads(2)
+    self.torch = torch
+    self.model = transformers.AutoModelForCausalLM.from_pretrained(
+        target_dir, dtype=torch.float32).eval()
+
+  def tokens_per_s(self, prompts, max_new_tokens: int) -> float:
+    torch = self.torch
+    new, seconds = 0, 0.0
+    with torch.no_grad():
+      self.model.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+      for p in prompts:
+        ids = torch.tensor([p])
+        t0 = time.perf_counter()
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids),
+                                  max_new_tokens=max_new_tokens,
+                                  min_new_tokens=max_new_tokens, do_sample=False)
+        seconds += time.perf_counter() - t0
+        new += out.shape[1] - ids.shape[1]
+    return new / seconds
 
 
 def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
                   prompt_len: int = 48, max_new_tokens: int = 128, batches=(1, 4),
-                  settings=SETTINGS, with_transformers: bool = True, log=print) -> dict:
+                  settings=SETTINGS, runs: int = 3, with_transformers: bool = True,
+                  breakdown: bool = True, log=print) -> dict:
+  """Everything timed ``runs`` times over (after one compile); rows keep each run's value and
+  report medians and ranges (``spread``)."""
   import jax.numpy as jnp
   import eagle3jax
-  from eagle3jax import demo
+  from eagle3jax.stack import default_layer_loop
+  from eagle3jax import demo, round_profile
   from eagle3jax.text import TextCodec
+  from eagle3jax.tree import TreeShape
 
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32)
+  if runs < 1:
+    raise ValueError(f"runs={runs} must be >= 1")
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
+                                 layer_loop=default_layer_loop())
   drafter = eagle3jax.load_drafter(drafter_dir, target=target)
   manifest_path = os.path.join(os.path.dirname(os.path.abspath(target_dir)), "manifest.json")
   with open(manifest_path) as f:
@@ -79,61 +115,154 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
   prompts = demo.prompts_from(codec.tokenizer, demo.read_files(manifest["heldout"]),
                               num_prompts, prompt_len, seed=1234)
   kw = dict(max_new_tokens=max_new_tokens, eos_ids=[])
-  rows = []
   ar_gen = lambda ps: eagle3jax.generate(target, None, ps, **kw)  # noqa: E731
+
+  def spec_gen(steps, topk, n):
+    return lambda ps: eagle3jax.generate(target, drafter, ps, num_steps=steps, topk=topk,
+                                         num_draft_tokens=n, **kw)
+
+  cells = {}   # (batch, setting) -> per-run measurements
+  ar_out = {}
   for batch in batches:
     ar_gen(prompts[:batch])  # compile
-    ar_out, ar_tps, _, _, _ = _run(ar_gen, prompts, batch)
-    log(f"batch {batch}: autoregressive {ar_tps:.1f} tokens/s")
-    for steps, topk, n in settings:
-      gen = lambda ps, s=steps, k=topk, n=n: eagle3jax.generate(  # noqa: E731
-          target, drafter, ps, num_steps=s, topk=k, num_draft_tokens=n, **kw)
-      gen(prompts[:batch])  # compile
-      # Speculative and autoregressive decoding alternate batch by batch, so that drift in
-      # the machine's speed hits both alike; the ratio uses these paired timings.
-      out, tps, tau, pos, pair_ar = _run(gen, prompts, batch, paired=ar_gen)
-      row = {"batch": batch, "steps": steps, "topk": topk, "draft_tokens": n,
-             "accept_length_mean": tau, "acceptance_per_position": pos,
-             "tokens_per_s": tps, "ar_tokens_per_s": pair_ar, "speedup": tps / pair_ar,
-             "matches_autoregressive": out == ar_out}
-      rows.append(row)
-      log(f"batch {batch} ({steps},{topk},{n}): tau {tau:.2f}  {tps:.1f} tokens/s  "
-          f"(autoregressive {pair_ar:.1f})  speedup {tps / pair_ar:.2f}x  "
-          f"lossless {row['matches_autoregressive']}")
-  result = {"prompts": num_prompts, "prompt_len": prompt_len,
-            "max_new_tokens": max_new_tokens, "rows": rows}
-  if with_transformers:
-    # The engine's own batch-1 decoding is timed again right before transformers, so the two
-    # are compared over the same stretch of wall clock.
-    ar_gen(prompts[:1])  # warm (compiles only if batch 1 was not benchmarked)
-    _, ar1, _, _, _ = _run(ar_gen, prompts, 1)
-    hf = transformers_tokens_per_s(target_dir, prompts, max_new_tokens)
-    result["transformers_tokens_per_s"] = hf
-    result["engine_ar_tokens_per_s_beside_transformers"] = ar1
-    result["engine_ar_vs_transformers"] = ar1 / hf
-    log(f"transformers generate {hf:.1f} tokens/s; eagle3jax autoregressive / transformers "
-        f"= {ar1 / hf:.2f}x")
-  best = max((r for r in rows if r["batch"] == 1), key=lambda r: r["speedup"])
-  result["best_batch1"] = {k: best[k] for k in ("steps", "topk", "draft_tokens")}
+    ar_out[batch] = _run(ar_gen, prompts, batch)[0]
+    for setting in settings:
+      spec_gen(*setting)(prompts[:batch])  # compile
+      cells[batch, setting] = {"tps": [], "ar": [], "tau": None, "pos": None, "exact": True}
+  hf = _Transformers(target_dir) if with_transformers else None
+  hf_runs, ar1_runs, profiles = [], [], {}
+  for run in range(runs):
+    for batch in batches:
+      for setting in settings:
+        # Speculative and autoregressive decoding alternate batch by batch, so that drift in
+        # the machine's speed hits both alike; the ratio uses these paired timings.
+        out, tps, tau, pos, pair_ar = _run(spec_gen(*setting), prompts, batch, paired=ar_gen)
+        cell = cells[batch, setting]
+        cell["tps"].append(tps)
+        cell["ar"].append(pair_ar)
+        cell["tau"], cell["pos"] = tau, pos
+        cell["exact"] &= out == ar_out[batch]
+        log(f"run {run + 1}/{runs} batch {batch} {setting}: tau {tau:.2f}  {tps:.1f} tokens/s "
+            f"(autoregressive {pair_ar:.1f})  speedup {tps / pair_ar:.2f}x  "
+            f"lossless {out == ar_out[batch]}")
+    if hf is not None:
+      # The engine's own batch-1 decoding is timed right before transformers, so the two are
+      # compared over the same stretch of wall clock.
+      ar_gen(prompts[:1])  # warm (compiles only if batch 1 was not benchmarked)
+      ar1_runs.append(_run(ar_gen, prompts, 1)[1])
+      hf_runs.append(hf.tokens_per_s(prompts, max_new_tokens))
+      log(f"run {run + 1}/{runs}: transformers {hf_runs[-1]:.1f} tokens/s, eagle3jax "
+          f"autoregressive {ar1_runs[-1]:.1f}")
+    if breakdown:
+      for setting in settings:
+        p = round_profile.profile_round(target, drafter, prompts, TreeShape(*setting),
+                                        max_new_tokens=max_new_tokens)
+        profiles.setdefault(setting, []).append(p)
+        log(f"run {run + 1}/{runs} round {setting}: " + "  ".join(
+            f"{k} {p[k + '_ar']:.2f}" for k in round_profile.PHASES + ("other", "round"))
+            + " autoregressive steps")
+  rows = []
+  for (batch, (steps, topk, n)), cell in cells.items():
+    speedups = [a / b for a, b in zip(cell["tps"], cell["ar"])]
+    rows.append({"batch": batch, "steps": steps, "topk": topk, "draft_tokens": n,
+                 "accept_length_mean": cell["tau"], "acceptance_per_position": cell["pos"],
+                 "tokens_per_s": spread(cell["tps"]), "ar_tokens_per_s": spread(cell["ar"]),
+                 "speedup": spread(speedups), "matches_autoregressive": cell["exact"]})
+  result = {"machine": machine(), "runs": runs, "prompts": num_prompts,
+            "prompt_len": prompt_len, "max_new_tokens": max_new_tokens, "rows": rows}
+  if hf is not None:
+    result["transformers_tokens_per_s"] = spread(hf_runs)
+    result["engine_ar_tokens_per_s_beside_transformers"] = spread(ar1_runs)
+    result["engine_ar_vs_transformers"] = spread([a / b for a, b in zip(ar1_runs, hf_runs)])
+  if breakdown:
+    keys = [f"{k}_{u}" for k in round_profile.PHASES + ("other", "round") for u in ("ms", "ar")]
+    result["round_breakdown"] = [
+        {"steps": s[0], "topk": s[1], "draft_tokens": s[2], "ar_step_ms": spread(
+            [p["ar_step_ms"] for p in ps]), **{k: spread([p[k] for p in ps]) for k in keys}}
+        for s, ps in profiles.items()]
+  best = max((r for r in rows if r["batch"] == 1), key=lambda r: r["speedup"]["median"],
+             default=None)
+  if best is not None:
+    result["best_batch1"] = {k: best[k] for k in ("steps", "topk", "draft_tokens")}
   return result
 
 
+def _mr(s: dict, fmt: str = "{:.2f}", unit: str = "") -> str:
+  """``median (min-max)``."""
+  return (f"{fmt.format(s['median'])}{unit} ({fmt.format(s['min'])}-"
+          f"{fmt.format(s['max'])}{unit})")
+
+
+def markdown(result: dict) -> str:
+  """The README's tables for a benchmark result."""
+  m = result["machine"]
+  lines = [f"{m['cores']}-core {m['cpu']}, {m['date']}; medians (ranges) of {result['runs']} "
+           "runs.", "",
+           "| batch | (steps, topk, draft tokens) | accept length | acceptance per position | "
+           "tokens/s | autoregressive tokens/s | speedup | lossless |",
+           "|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    pos = " ".join(f"{p:.2f}" for p in r["acceptance_per_position"])
+    lines.append(
+        f"| {r['batch']} | ({r['steps']}, {r['topk']}, {r['draft_tokens']}) | "
+        f"{r['accept_length_mean']:.2f} | {pos} | {_mr(r['tokens_per_s'], '{:.0f}')} | "
+        f"{_mr(r['ar_tokens_per_s'], '{:.0f}')} | {_mr(r['speedup'], unit='x')} | "
+        f"{'yes' if r['matches_autoregressive'] else 'NO'} |")
+  if "transformers_tokens_per_s" in result:
+    lines += ["", f"`transformers` greedy `generate`, batch 1: "
+              f"{_mr(result['transformers_tokens_per_s'], '{:.0f}')} tokens/s; eagle3jax "
+              f"autoregressive beside it "
+              f"{_mr(result['engine_ar_tokens_per_s_beside_transformers'], '{:.0f}')} tokens/s: "
+              f"{_mr(result['engine_ar_vs_transformers'], unit='x')}."]
+  if "round_breakdown" in result:
+    lines += ["", "| (steps, topk, draft tokens) | autoregressive step ms | draft | verify | "
+              "accept + commit | catch-up | other | round |", "|---|---|---|---|---|---|---|---|"]
+    for b in result["round_breakdown"]:
+      cells = [f"{b[k + '_ms']['median']:.2f} ms = {_mr(b[k + '_ar'])}"
+               for k in ("draft", "verify", "accept_commit", "catch_up", "other", "round")]
+      lines.append(f"| ({b['steps']}, {b['topk']}, {b['draft_tokens']}) | "
+                   f"{_mr(b['ar_step_ms'])} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
 def plot(result: dict, path: str) -> None:
+  """Grouped bars per setting (one group per batch size) with their ranges: acceptance length,
+  and tokens/s with the autoregressive and ``transformers`` baselines on the same axes."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   rows = result["rows"]
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-  for batch in sorted({r["batch"] for r in rows}):
+  batches = sorted({r["batch"] for r in rows})
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.4))
+  width = 0.8 / len(batches)
+  for bi, batch in enumerate(batches):
     rs = [r for r in rows if r["batch"] == batch]
-    labels = [f"({r['steps']},{r['topk']},{r['draft_tokens']})" for r in rs]
-    axes[0].plot(labels, [r["accept_length_mean"] for r in rs], "o-", label=f"batch {batch}")
-    axes[1].plot(labels, [r["speedup"] for r in rs], "o-", label=f"batch {batch}")
-  axes[0].set_title("mean acceptance length")
-  axes[1].set_title("speedup vs autoregressive (wall clock)")
-  axes[1].axhline(1.0, color="gray", lw=0.5)
+    x = np.arange(len(rs)) + (bi - (len(batches) - 1) / 2) * width
+    axes[0].bar(x, [r["accept_length_mean"] for r in rs], width, label=f"batch {batch}")
+    tps = [r["tokens_per_s"] for r in rs]
+    err = np.array([[t["median"] - t["min"] for t in tps], [t["max"] - t["median"] for t in tps]])
+    axes[1].bar(x, [t["median"] for t in tps], width, yerr=err, capsize=3,
+                label=f"speculative, batch {batch}")
+    ar = spread([v for r in rs for v in r["ar_tokens_per_s"]["runs"]])
+    axes[1].axhspan(ar["min"], ar["max"], color=f"C{bi}", alpha=0.15)
+    axes[1].axhline(ar["median"], color=f"C{bi}", ls="--", lw=1,
+                    label=f"autoregressive, batch {batch}")
+  if "transformers_tokens_per_s" in result:
+    hf = result["transformers_tokens_per_s"]
+    axes[1].axhspan(hf["min"], hf["max"], color="gray", alpha=0.2)
+    axes[1].axhline(hf["median"], color="gray", ls=":", lw=1.5,
+                    label="transformers generate, batch 1")
+  labels = [f"({r['steps']},{r['topk']},{r['draft_tokens']})" for r in rows
+            if r["batch"] == batches[0]]
   for ax in axes:
+    ax.set_xticks(np.arange(len(labels)), labels)
     ax.set_xlabel("(steps, topk, draft tokens)")
-    ax.legend()
+  axes[0].set_title("mean acceptance length (held-out prompts)")
+  m = result.get("machine", {})
+  axes[1].set_title(f"tokens/s, median and range of {result.get('runs', 1)} runs "
+                    f"({m.get('cores', '?')} cores, {m.get('date', '')})")
+  axes[0].legend()
+  axes[1].legend(fontsize=7, loc="upper right")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)

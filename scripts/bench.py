@@ -1,5 +1,7 @@
 #!/usr/bin/env python3
-"""Greedy speculative-decoding benchmark on held-out prompts (writes JSON and a PNG plot)."""
+"""Greedy speculative-decoding benchmark on held-out prompts: every timing repeated --runs times
+(medians and ranges), the round breakdown per setting; writes JSON, a PNG plot and prints the
+README tables."""
 
 import argparse
 import json
@@ -8,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from eagle3jax.bench import SETTINGS, plot, run_benchmark  # noqa: E402
+from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark  # noqa: E402
 from eagle3jax.demo import DEFAULT_DIR  # noqa: E402
 
 
@@ -19,6 +21,9 @@ def main() -> int:
   p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
+  p.add_argument("--runs", type=int, default=3, help="timed repetitions (medians, ranges)")
+  p.add_argument("--no-breakdown", action="store_true",
+                 help="skip the per-phase breakdown of batch-1 rounds")
   p.add_argument("--no-transformers", action="store_true",
                  help="skip the transformers generate baseline")
   p.add_argument("--device", default=None, help="label only (the default JAX backend runs)")
@@ -28,7 +33,9 @@ def main() -> int:
     result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
                            max_new_tokens=args.max_new_tokens,
                            batches=tuple(int(b) for b in args.batches.split(",")),
-                           settings=SETTINGS, with_transformers=not args.no_transformers,
+                           settings=SETTINGS, runs=args.runs,
+                           with_transformers=not args.no_transformers,
+                           breakdown=not args.no_breakdown,
                            log=lambda m: print(m, flush=True))
   except (ValueError, OSError) as e:
     print(f"bench.py: error: {e}", file=sys.stderr)
@@ -37,6 +44,7 @@ def main() -> int:
   with open(args.out, "w") as f:
     json.dump(result, f, indent=1)
   plot(result, os.path.splitext(args.out)[0] + ".png")
+  print(markdown(result))
   print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
   return 0
 

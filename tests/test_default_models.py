@@ -85,17 +85,26 @@ def test_shipped_drafter_carries_embedding_and_record_and_refuses_the_seed_rewri
 
 
 def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):
-  # A short run of the benchmark on the shipped pair: one speculative setting, batch 1, with
-  # the transformers baseline; every row carries its own paired autoregressive timing.
-  from eagle3jax.bench import plot, run_benchmark
+  # A short run of the benchmark on the shipped pair: one speculative setting, batch 1, two
+  # runs, with the transformers baseline and the round breakdown; every row carries its own
+  # paired autoregressive timings and their medians and ranges.
+  from eagle3jax.bench import markdown, plot, run_benchmark
   result = run_benchmark(DEFAULT_TARGET, DEFAULT_DRAFTER, num_prompts=2, max_new_tokens=8,
-                         batches=(1,), settings=((2, 1, 3),), log=lambda m: None)
+                         batches=(1,), settings=((2, 1, 3),), runs=2, log=lambda m: None)
   (row,) = result["rows"]
   assert row["matches_autoregressive"] is True
   assert row["accept_length_mean"] >= 1.0 and len(row["acceptance_per_position"]) == 2
-  assert row["speedup"] == row["tokens_per_s"] / row["ar_tokens_per_s"] > 0
-  assert result["transformers_tokens_per_s"] > 0 and result["engine_ar_vs_transformers"] > 0
+  speedups = [a / b for a, b in zip(row["tokens_per_s"]["runs"], row["ar_tokens_per_s"]["runs"])]
+  assert row["speedup"]["runs"] == speedups and len(speedups) == 2
+  assert row["speedup"]["min"] <= row["speedup"]["median"] <= row["speedup"]["max"]
+  assert result["transformers_tokens_per_s"]["median"] > 0
+  assert len(result["engine_ar_vs_transformers"]["runs"]) == 2
+  (b,) = result["round_breakdown"]
+  assert b["round_ar"]["median"] > 0 and b["verify_ms"]["min"] > 0
   assert result["best_batch1"] == {"steps": 2, "topk": 1, "draft_tokens": 3}
+  assert result["machine"]["cores"] >= 1 and result["machine"]["cpu"]
+  table = markdown(result)
+  assert "| 1 | (2, 1, 3) |" in table and "catch-up" in table
   json.dumps(result)
   plot(result, str(tmp_path / "bench.png"))
   assert (tmp_path / "bench.png").stat().st_size > 1000
