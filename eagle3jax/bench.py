@@ -90,6 +90,31 @@ class _Transformers:
     return new / seconds
 
 
+def layer_loop_steps(target_dir: str, prompts, max_new_tokens: int, runs: int) -> dict:
+  """Autoregressive ms per step of the same target held as a scan and as one-layer stacks
+  (``layer_loop``), alternating prompt by prompt, ``runs`` times."""
+  import jax.numpy as jnp
+  import eagle3jax
+  targets = {loop: eagle3jax.load_target(target_dir, dtype=jnp.float32, layer_loop=loop)
+             for loop in ("scan", "split")}
+  kw = dict(max_new_tokens=max_new_tokens, eos_ids=[])
+  ms = {loop: [] for loop in targets}
+  for t in targets.values():
+    eagle3jax.generate(t, None, prompts[:1], **kw)  # compile
+  for _ in range(runs):
+    sec = {loop: 0.0 for loop in targets}
+    steps = {loop: 0 for loop in targets}
+    for p in prompts:
+      for loop, t in targets.items():
+        r = eagle3jax.generate(t, None, [p], **kw)
+        sec[loop] += r.stats["decode_s"]
+        steps[loop] += r.stats["rounds"]
+    for loop in targets:
+      ms[loop].append(1e3 * sec[loop] / steps[loop])
+  return {**{f"{loop}_step_ms": spread(v) for loop, v in ms.items()},
+          "scan_over_split": spread([a / b for a, b in zip(ms["scan"], ms["split"])])}
+
+
 def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
                   prompt_len: int = 48, max_new_tokens: int = 128, batches=(1, 4),
                   settings=SETTINGS, runs: int = 3, with_transformers: bool = True,
@@ -175,6 +200,9 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
     result["engine_ar_tokens_per_s_beside_transformers"] = spread(ar1_runs)
     result["engine_ar_vs_transformers"] = spread([a / b for a, b in zip(ar1_runs, hf_runs)])
   if breakdown:
+    result["layer_loops"] = layer_loop_steps(target_dir, prompts, max_new_tokens, runs)
+    log(f"autoregressive step: scan {result['layer_loops']['scan_step_ms']['median']:.2f} ms, "
+        f"split {result['layer_loops']['split_step_ms']['median']:.2f} ms")
     keys = [f"{k}_{u}" for k in round_profile.PHASES + ("other", "round") for u in ("ms", "ar")]
     result["round_breakdown"] = [
         {"steps": s[0], "topk": s[1], "draft_tokens": s[2], "ar_step_ms": spread(
@@ -214,6 +242,11 @@ def markdown(result: dict) -> str:
               f"autoregressive beside it "
               f"{_mr(result['engine_ar_tokens_per_s_beside_transformers'], '{:.0f}')} tokens/s: "
               f"{_mr(result['engine_ar_vs_transformers'], unit='x')}."]
+  if "layer_loops" in result:
+    ll = result["layer_loops"]
+    lines += ["", f"Autoregressive step, batch 1: {_mr(ll['split_step_ms'])} ms with one-layer "
+              f"stacks (`layer_loop=split`), {_mr(ll['scan_step_ms'])} ms as a "
+              f"scan: {_mr(ll['scan_over_split'], unit='x')}."]
   if "round_breakdown" in result:
     lines += ["", "| (steps, topk, draft tokens) | autoregressive step ms | draft | verify | "
               "accept + commit | catch-up | other | round |", "|---|---|---|---|---|---|---|---|"]

@@ -115,10 +115,10 @@ class DemoConfig:
   lm_seq_len: int = 256
   lm_lr: float = 3e-3
   draft_vocab_size: int = 4096
-  draft_prompts: int = 3072
+  draft_prompts: int = 4096
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 2000
+  draft_steps: int = 1600
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 7

@@ -101,6 +101,8 @@ def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):
   assert len(result["engine_ar_vs_transformers"]["runs"]) == 2
   (b,) = result["round_breakdown"]
   assert b["round_ar"]["median"] > 0 and b["verify_ms"]["min"] > 0
+  assert result["layer_loops"]["split_step_ms"]["median"] > 0
+  assert len(result["layer_loops"]["scan_over_split"]["runs"]) == 2
   assert result["best_batch1"] == {"steps": 2, "topk": 1, "draft_tokens": 3}
   assert result["machine"]["cores"] >= 1 and result["machine"]["cpu"]
   table = markdown(result)
