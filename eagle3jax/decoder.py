@@ -7,7 +7,7 @@ provides ``config`` (``rms_norm_eps``, ``tie_word_embeddings``, ``num_hidden_lay
 ``layer(x, positions, k_buf, v_buf, lengths, tree_mask, impl) -> (x, k_buf, v_buf)`` with
 ``kv_cache.LayerKV`` views as buffers), ``norm``,
 ``lm_head`` when untied, and ``allocate_cache``. The layers run as scans over segments that
-end at the captured layers (``eagle3jax.stack``). Captures follow ``eagle3jax.capture``: every
+end at the captured layers (``eagle3jax.stack``), or one by one after ``split_layers``. Captures follow ``eagle3jax.capture``: every
 captured tensor goes through ``CaptureSpec.annotate`` here and nowhere else.
 """
 

@@ -135,8 +135,9 @@ def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KV
   def move(buf):                                                          # [L, B, S, K, H]
     sharding = jax.typeof(buf).sharding
     spec = tuple(sharding.spec) + (None,) * buf.ndim
-    moved = buf.at[:, rows, src].get(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
-    return buf.at[:, rows, dst].set(moved, mode="promise_in_bounds", unique_indices=True,
+    moved = buf.at[:, rows, src].get(mode="promise_in_bounds",
+                                     out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
+    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True,
                                     out_sharding=sharding)
   return KVCache(move(cache.k), move(cache.v), new_lengths)
 

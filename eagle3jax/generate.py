@@ -82,8 +82,9 @@ def _compiled(name, fn, *args, **static):
 def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
           max_new_tokens: int, eos: np.ndarray, seed: int = 0, temperature: float = 0.0,
           top_p: float = 1.0):
-  """Pads validated ``prompts`` to their bucket, sizes the cache and runs the (compiled,
-  cached) prefill under the target's mesh. Returns ``(graphdef, params, state, dynamic,
+  """Pads ``prompts`` (token-id lists already checked against the vocabulary) to their bucket,
+  sizes the cache and runs the (compiled, cached) prefill; call it inside
+  ``jax.set_mesh(target.mesh)``. Returns ``(graphdef, params, state, dynamic,
   prefill seconds, compile seconds)``: what the decode loop, or ``eagle3jax.round_profile``,
   continues from."""
   b = len(prompts)

@@ -1,7 +1,7 @@
 """A preallocated, static-shape KV cache with per-sequence lengths, stacked over layers.
 
 Row ``b`` holds ``lengths[b]`` committed tokens in slots ``[0, lengths[b])``; slots beyond are
-arbitrary (never assumed zero: readers mask them). ``extend`` writes new tokens at
+arbitrary (never assumed zero: readers mask them). A forward over new tokens writes them at
 ``lengths[b] ..`` without moving ``lengths``; the caller commits by setting new lengths.
 
 Keys and values of all layers live in one array each, ``[L, B, S, K, H]``, so that the target's
@@ -93,13 +93,16 @@ class LayerKV:
 
     One scatter with unique indices: XLA updates the buffer in place. (A ``vmap`` of
     ``dynamic_update_slice`` or a slab ``.at[i].set`` made XLA:CPU copy the whole stacked
-    buffer per layer: 20x slower at batch 128.)
+    buffer per layer: 20x slower at batch 128.) Slots past the buffer are dropped (callers
+    size caches so that none are).
     """
     b, t = new.shape[:2]
-    rows = jnp.arange(b, dtype=jnp.int32)[:, None]
-    slots = start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    rows = shard(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)),
+                 (BATCH, None))
+    slots = shard(start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :],
+                  (BATCH, None))
     stacked = self.stacked.at[self.index, rows, slots].set(
-        new.astype(self.stacked.dtype), mode="promise_in_bounds", unique_indices=True,
+        new.astype(self.stacked.dtype), mode="drop", unique_indices=True,
         out_sharding=jax.typeof(self.stacked).sharding)
     return LayerKV(stacked, self.index)
 

@@ -426,6 +426,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   The export carries the capture record (``eagle3jax.capture_contract``): features at the
   first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
   """
+  if heldout_every < 0 or (heldout_every and not heldout_prompts):
+    raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
@@ -456,8 +458,6 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   dcfg = DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
                                   **(drafter_overrides or {}))
   drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t)
-  if heldout_every < 0 or (heldout_every and not heldout_prompts):
-    raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
   trainer = Trainer(target, drafter, data, config,
                     checkpoint_dir=os.path.join(checkpoint_dir, "steps"))
   curve, t0 = [], time.perf_counter()
