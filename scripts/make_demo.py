@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Rebuild the shipped demo (models/default) from scratch: corpus manifest, tokenizer, target,
-drafter. Takes about 1.5 hours on a 2-core CPU with the defaults."""
+drafter. Takes about 1 hour 40 minutes on a 2-core CPU with the defaults (the drafter about
+1 hour)."""
 
 import argparse
 import dataclasses
