@@ -133,12 +133,14 @@ def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KV
   dst = bm(cache.lengths[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :])
 
   def move(buf):                                                          # [L, B, S, K, H]
-    sharding = jax.typeof(buf).sharding
-    spec = tuple(sharding.spec) + (None,) * buf.ndim
-    moved = buf.at[:, rows, src].get(mode="promise_in_bounds",
-                                     out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
-    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True,
-                                    out_sharding=sharding)
+    get_kw, set_kw = {}, {}
+    if not jax.sharding.get_abstract_mesh().empty:  # Explicit axes: name the layouts
+      sharding = jax.typeof(buf).sharding
+      spec = tuple(sharding.spec) + (None,) * buf.ndim
+      get_kw = dict(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
+      set_kw = dict(out_sharding=sharding)
+    moved = buf.at[:, rows, src].get(mode="promise_in_bounds", **get_kw)
+    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True, **set_kw)
   return KVCache(move(cache.k), move(cache.v), new_lengths)
 
 

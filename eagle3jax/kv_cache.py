@@ -101,9 +101,10 @@ class LayerKV:
                  (BATCH, None))
     slots = shard(start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :],
                   (BATCH, None))
+    kw = ({} if jax.sharding.get_abstract_mesh().empty
+          else dict(out_sharding=jax.typeof(self.stacked).sharding))
     stacked = self.stacked.at[self.index, rows, slots].set(
-        new.astype(self.stacked.dtype), mode="drop", unique_indices=True,
-        out_sharding=jax.typeof(self.stacked).sharding)
+        new.astype(self.stacked.dtype), mode="drop", unique_indices=True, **kw)
     return LayerKV(stacked, self.index)
 
   def read(self) -> jax.Array:
