@@ -13,6 +13,7 @@ loop does not.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -65,11 +66,11 @@ def phase_times(target, drafter, prompt: list[int], tree: TreeShape, *,
       return nnx.merge(graphdef, p)
 
     def draft_fn(p, st, dcache):
-      return eng.phase_draft(models(p)[1], eng.dataclasses.replace(st, draft_cache=dcache),
+      return eng.phase_draft(models(p)[1], dataclasses.replace(st, draft_cache=dcache),
                              spec)
 
     def verify_fn(p, st, tcache, draft):
-      return eng.phase_verify(models(p)[0], eng.dataclasses.replace(st, target_cache=tcache),
+      return eng.phase_verify(models(p)[0], dataclasses.replace(st, target_cache=tcache),
                               draft, spec)
 
     def commit_fn(st, draft, logits, aux, tcache, dyn):
