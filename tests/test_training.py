@@ -13,6 +13,7 @@ from flax import nnx
 
 import eagle3jax
 from eagle3jax import training
+from eagle3jax.sharding import BATCH, SEQ, out_spec
 from eagle3jax.training import ttt
 from tests import engine_helpers
 
@@ -113,6 +114,102 @@ def test_drafter_layer_step0_equals_drafter_call(target, data):
     got, _, _ = ttt.drafter_layer(dr, jnp.asarray(tokens), hidden, pos, [], [],
                                   ttt.ttt_attention_mask(SEQ_LEN, 0))
   np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-6)
+
+
+def test_ttt_attention_mask_from_start_keeps_the_rows_it_computes():
+  # Queries from `start` on: the full mask's rows start.., with the step >= 1 key blocks cut
+  # to the same positions.
+  t, start = 6, 2
+  for step in range(4):
+    full = ttt.ttt_attention_mask(t, step)
+    cols = list(range(t)) + [i * t + s for i in range(1, step + 1) for s in range(start, t)]
+    np.testing.assert_array_equal(ttt.ttt_attention_mask(t, step, start), full[start:][:, cols])
+  with pytest.raises(ValueError, match="start=6"):
+    ttt.ttt_attention_mask(6, 1, 6)
+
+
+def test_loss_start_is_the_first_position_a_step_can_score():
+  mask = np.zeros((3, 20), bool)
+  mask[0, 12:], mask[1, 9:15], mask[2, 15:] = True, True, True
+  assert ttt.loss_start(mask, 3) == 9 - 3 - 1
+  assert ttt.loss_start(mask, 7) == 1
+  assert ttt.loss_start(mask, 9) == 0
+  assert ttt.loss_start(np.zeros((2, 5), bool), 3) == 0
+
+
+def _reference_ttt_loss(drafter, features, tokens, loss_mask, steps, decay=0.8):
+  """The TTT loss written plainly: every step over every position, log-softmax and autodiff
+  (what ``ttt.ttt_loss`` computes with fewer positions and hand-written backwards)."""
+  b, t = tokens.shape
+
+  def shift(x, n):
+    return jnp.zeros_like(x) if n >= t else jnp.pad(
+        x[:, n:], [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+
+  probs = jax.nn.softmax(features.draft_logits.astype(jnp.float32), axis=-1)
+  in_vocab = drafter.t2d[...].at[features.argmax].get(out_sharding=out_spec((BATCH, SEQ), (b, t)))
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  hidden, past_k, past_v, total, accs = drafter.project(features.aux), [], [], 0.0, []
+  for j in range(steps):
+    hidden, k, v = ttt.drafter_layer(drafter, shift(tokens, j + 1), hidden, pos + j, past_k,
+                                     past_v, _full_ttt_mask(t, j))
+    past_k.append(k)
+    past_v.append(v)
+    logp = jax.nn.log_softmax(drafter.logits(hidden), axis=-1)
+    valid = shift(loss_mask, j + 2)
+    keep = (valid & shift(in_vocab, j + 1)).astype(jnp.float32)
+    ce = -jnp.sum(shift(probs, j + 1) * logp, axis=-1)
+    total = total + decay ** j * jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+    hit = (drafter.to_target_ids(jnp.argmax(logp, -1)) == shift(features.argmax, j + 1)) & valid
+    accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1))
+  return total, jnp.stack(accs)
+
+
+def _full_ttt_mask(t, step):
+  m = np.zeros((t, (step + 1) * t), bool)
+  m[:, :t] = np.tril(np.ones((t, t), bool))
+  for i in range(1, step + 1):
+    m[np.arange(t), i * t + np.arange(t)] = True
+  return m
+
+
+@pytest.mark.parametrize("first_response", [3, 12])
+def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, first_response):
+  # Responses from position 12 on: with 3 steps, positions 0..7 take no loss and run only
+  # step 0 (start = 8). The loss, the per-step accuracy and every gradient must equal the
+  # plain formula's; start = 0 must too.
+  _, d = data
+  dr = _drafter(target, d)
+  tokens = jnp.asarray(d.tokens[:4])
+  mask = d.loss_mask[:4] & (np.arange(SEQ_LEN)[None] >= first_response)
+  steps = 3
+  start = ttt.loss_start(mask, steps)
+  assert start == max(0, first_response - steps - 1)
+  graphdef, params, rest = nnx.split(dr, training.TRAINABLE, ...)
+  with jax.set_mesh(target.mesh):
+    feats = training.target_features(target, d.tokens[:4], CAPTURE,
+                                     np.arange(DRAFT_VOCAB) + np.asarray(dr.d2t[...]))
+
+    def ours(p, s):
+      loss, m = ttt.ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens, jnp.asarray(mask),
+                             steps=steps, start=s)
+      return loss, m["acc"]
+
+    def ref(p):
+      return _reference_ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens,
+                                 jnp.asarray(mask), steps)
+
+    (want, want_acc), want_g = jax.jit(jax.value_and_grad(ref, has_aux=True))(params)
+    for s in sorted({0, start}):
+      (got, got_acc), got_g = jax.jit(jax.value_and_grad(ours, has_aux=True),
+                                      static_argnums=1)(params, s)
+      np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+      np.testing.assert_allclose(np.asarray(got_acc), np.asarray(want_acc), atol=1e-6)
+      flat_want = dict(nnx.to_flat_state(want_g))
+      for path, g in nnx.to_flat_state(got_g):
+        w = np.asarray(flat_want[path][...])
+        np.testing.assert_allclose(np.asarray(g[...]), w, rtol=2e-4,
+                                   atol=2e-6 * float(np.abs(w).max()) + 1e-9, err_msg=str(path))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture"))

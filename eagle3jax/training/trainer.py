@@ -47,7 +47,7 @@ from eagle3jax.drafter_io import init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      build_training_data, next_batch, target_features)
-from eagle3jax.training.ttt import ttt_loss
+from eagle3jax.training.ttt import loss_start, ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
 log = logging.getLogger("eagle3jax")
@@ -163,13 +163,14 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                   mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg"), donate_argnames=("opt_state",))
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start"),
+                   donate_argnames=("opt_state",))
 def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
-                loss_mask):
+                loss_mask, start: int = 0):
   def loss_fn(p):
     drafter = nnx.merge(graphdef, p, rest)
     return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
-                    decay=cfg.step_decay)
+                    decay=cfg.step_decay, start=start)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
@@ -255,6 +256,8 @@ class Trainer:
     self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
     with jax.set_mesh(self.mesh):
       self.opt_state = make_optimizer(config).init(self.params)
+    # Prompt positions that no TTT step takes a loss at run only the drafter's step 0.
+    self._start = loss_start(data.loss_mask, config.ttt_steps)
     self.step = 0
     self.position = DataPosition()
     self.history: list[dict] = []
@@ -295,7 +298,7 @@ class Trainer:
     with jax.set_mesh(self.mesh):
       self.params, self.opt_state, loss, metrics = _train_step(
           self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, features,
-          self._place(tokens), self._place(mask))
+          self._place(tokens), self._place(mask), start=self._start)
     self.step += 1
     self.position = position
     record = {"step": self.step, "loss": float(loss),

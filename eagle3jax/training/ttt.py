@@ -11,7 +11,7 @@ which only the draft vocabulary's columns and the argmax enter, ``TargetFeatures
 * query (j, t) attends causally to the step-0 keys ``s <= t`` and to the keys of steps
   1..j at the same t (the diagonal): what a depth-j draft node sees at inference. All steps so
   far are one concatenated key set ``[step 0 | step 1 | ... | step j]`` with the explicit mask
-  ``ttt_attention_mask(T, j)``;
+  ``ttt_attention_mask(T, j, start)``;
 * step j at t predicts ``x_{t+j+2}``; its soft target is ``softmax(l_{t+j+1})`` restricted to
   the draft vocabulary and renormalised. Positions are dropped where ``x_{t+j+2}`` is not a
   response token (or lies past the sequence) and where the target's full-vocabulary argmax has
@@ -20,6 +20,10 @@ which only the draft vocabulary's columns and the argmax enter, ``TargetFeatures
 Accuracy of step j: fraction of kept-by-loss-mask positions (out-of-draft-vocab argmaxes
 included, as misses) where the drafter's argmax, mapped to a target id, equals the target's
 argmax: a proxy for per-depth acceptance.
+
+Cost: steps >= 1 and every step's draft-vocabulary head run only from ``start`` on (the
+prompt's positions before it can take no loss; ``loss_start``), and the head and its
+cross-entropy have written-out backwards (``draft_head``, ``soft_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -29,24 +33,42 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax import attention as attn_lib
+from eagle3jax.layers import einsum
 from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, out_spec, shard
 from eagle3jax.training.data import TargetFeatures
 
 
-def ttt_attention_mask(seq_len: int, step: int) -> np.ndarray:
-  """Boolean ``[T, (step + 1) * T]``: may query t of ``step`` read key column c.
+def ttt_attention_mask(seq_len: int, step: int, start: int = 0) -> np.ndarray:
+  """Boolean ``[T - start, T + step * (T - start)]``: may query t of ``step`` read key c.
 
-  Columns are the keys of steps ``0..step`` concatenated (``c = i * T + s`` is key s of step
-  i): causal over step 0 (``s <= t``), and only ``s == t`` in steps ``1..step``.
+  Queries are positions ``start .. T-1`` (``ttt_loss`` runs steps >= 1 only where a loss can
+  fall). Columns are the step-0 keys ``0 .. T-1`` followed by the keys of steps ``1..step``
+  at positions ``start .. T-1`` (``c = T + (i - 1) * (T - start) + (s - start)`` is key s of
+  step i): causal over step 0 (``s <= t``), and only ``s == t`` in steps ``1..step``.
   """
-  if seq_len < 1 or step < 0:
-    raise ValueError(f"ttt_attention_mask: seq_len={seq_len} must be >= 1 and step={step} >= 0")
-  t = np.arange(seq_len)
-  mask = np.zeros((seq_len, (step + 1) * seq_len), bool)
-  mask[:, :seq_len] = t[None, :] <= t[:, None]
+  if seq_len < 1 or step < 0 or not 0 <= start < seq_len:
+    raise ValueError(f"ttt_attention_mask: seq_len={seq_len} must be >= 1, step={step} >= 0 "
+                     f"and start={start} in [0, seq_len)")
+  n = seq_len - start
+  t = np.arange(start, seq_len)
+  mask = np.zeros((n, seq_len + step * n), bool)
+  mask[:, :seq_len] = np.arange(seq_len)[None, :] <= t[:, None]
   for i in range(1, step + 1):
-    mask[t, i * seq_len + t] = True
+    mask[np.arange(n), seq_len + (i - 1) * n + np.arange(n)] = True
   return mask
+
+
+def loss_start(loss_mask: np.ndarray, steps: int) -> int:
+  """The first position any of ``steps`` TTT steps can take a loss at, for host ``loss_mask
+  [M, T]`` (all the training data): step j at t predicts token ``t + j + 2``, so positions
+  before ``first response token - steps - 1`` never count, and ``ttt_loss(loss_start=...)``
+  skips them (the drafter's step 0 still runs there: its keys are the context)."""
+  loss_mask = np.asarray(loss_mask, bool)
+  rows = loss_mask.any(axis=1)
+  if not rows.any():
+    return 0
+  first = int(np.argmax(loss_mask[rows], axis=1).min())
+  return max(0, first - steps - 1)
 
 
 def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
@@ -77,18 +99,74 @@ def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
   return drafter.attention_output(hidden, o), k, v
 
 
-def _shift(x: jax.Array, n: int) -> jax.Array:
-  """``x[:, n:]`` padded with zeros at the end back to length T (axis 1)."""
+def _window(x: jax.Array, n: int, start: int) -> jax.Array:
+  """``x[:, start + n:]`` padded with zeros at the end to length ``T - start`` (axis 1): the
+  values ``n`` positions ahead of positions ``start .. T-1``."""
   t = x.shape[1]
-  if n >= t:
-    return jnp.zeros_like(x)
+  if start + n >= t:
+    return jnp.zeros((x.shape[0], t - start) + x.shape[2:], x.dtype)
   pad = [(0, 0)] * x.ndim
   pad[1] = (0, n)
-  return jnp.pad(x[:, n:], pad)
+  return jnp.pad(x[:, start + n:], pad)
+
+
+@jax.custom_vjp
+def soft_cross_entropy(logits: jax.Array, probs: jax.Array) -> jax.Array:
+  """``-sum(probs * log_softmax(logits))`` over the last axis, ``[..., N] -> [...]``, for
+  ``probs`` rows that sum to 1 (or whose result the caller masks out).
+
+  The value is ``logsumexp(logits) - sum(probs * logits)``; the gradient ``softmax(logits) -
+  probs`` comes out of one fused pass instead of log-softmax's backward (which, on the
+  ``[B, T, N]`` draft-vocabulary logits of every TTT step, cost about as much as the head's
+  matmuls). ``probs`` gets no gradient (it is the target's distribution).
+  """
+  return _soft_ce_fwd(logits, probs)[0]
+
+
+def _soft_ce_fwd(logits, probs):
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  return lse - jnp.sum(probs * logits, axis=-1), (logits, probs, lse)
+
+
+def _soft_ce_bwd(res, g):
+  logits, probs, lse = res
+  return (g[..., None] * (jnp.exp(logits - lse[..., None]) - probs), jnp.zeros_like(probs))
+
+
+soft_cross_entropy.defvjp(_soft_ce_fwd, _soft_ce_bwd)
+
+
+def _like(x):
+  """``out_sharding`` that keeps ``x``'s layout (None outside a mesh)."""
+  return jax.typeof(x).sharding if out_spec((None,), (1,)) is not None else None
+
+
+@jax.custom_vjp
+def draft_head(h: jax.Array, w: jax.Array) -> jax.Array:
+  """The drafter's head, ``h [B, T, D] @ w [D, N]`` in float32 (``Eagle3Drafter.logits``
+  after its norm): the same forward, with the backward's two matmuls written out so that XLA
+  contracts the ``[B, T, N]`` gradient in place (autodiff's form made XLA:CPU transpose it,
+  at every step, at a cost above the matmul's)."""
+  return einsum("BTD,DV->BTV", h, w, (BATCH, SEQ, VOCAB)).astype(jnp.float32)
+
+
+def _head_fwd(h, w):
+  return draft_head(h, w), (h, w)
+
+
+def _head_bwd(res, g):
+  h, w = res
+  g = g.astype(h.dtype)
+  dh = jnp.einsum("BTV,DV->BTD", g, w, out_sharding=_like(h))
+  dw = jnp.einsum("BTD,BTV->DV", h, g, out_sharding=_like(w))
+  return dh, dw
+
+
+draft_head.defvjp(_head_fwd, _head_bwd)
 
 
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
-             decay: float = 0.8):
+             decay: float = 0.8, start: int = 0):
   """The TTT loss of a batch.
 
   Args:
@@ -100,6 +178,10 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     loss_mask: ``[B, T]`` bool, True on response tokens.
     steps: K, the number of unrolled draft steps.
     decay: step j is weighted ``decay**j``.
+    start: positions before it take no loss and run only step 0 (their keys): exact when
+      ``loss_mask[:, :start + steps + 1]`` is all False, which ``loss_start(mask, steps)`` of
+      the whole training data guarantees (the prompts). Saves the prompt's share of every
+      step's layer and draft-vocabulary head.
 
   Returns:
     ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K]}`` (per-step
@@ -108,6 +190,8 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
   b, t = tokens.shape
+  if not 0 <= start < t:
+    raise ValueError(f"ttt start={start} must be in [0, seq_len={t})")
   n = drafter.config.draft_vocab_size
   if features.draft_logits.shape != (b, t, n):
     raise ValueError(f"target draft logits {features.draft_logits.shape} do not match tokens "
@@ -122,30 +206,40 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
                                                                           (b, t)))
   base_pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
-  hidden = drafter.project(features.aux)
-  past_k, past_v = [], []
+  # Step 0 runs over every position (its keys are the context of all steps); from here on,
+  # only positions start.. (T' of them) are computed.
+  a, k, v = drafter_layer(drafter, _window(tokens, 1, 0), drafter.project(features.aux),
+                          shard(base_pos, (BATCH, SEQ)), [], [], ttt_attention_mask(t, 0))
+  past_k, past_v = [k], [v]
+  hidden = a[:, start:]
   losses, accs, counts = [], [], []
   total = jnp.float32(0.0)
   for j in range(steps):
     # --- Step j: token x_{t+j+1} at position t+j predicts x_{t+j+2} (target logits t+j+1).
-    tok_j = _shift(tokens, j + 1)
-    pos_j = shard(base_pos + j, (BATCH, SEQ))
-    a, k, v = drafter_layer(drafter, tok_j, hidden, pos_j, past_k, past_v,
-                            ttt_attention_mask(t, j))
-    past_k.append(k)
-    past_v.append(v)
-    hidden = a
-    logp = jax.nn.log_softmax(drafter.logits(a), axis=-1)                # [B, T, N]
-    valid = _shift(loss_mask, j + 2)
-    keep = (valid & _shift(in_vocab, j + 1)).astype(jnp.float32)
-    ce = -jnp.sum(_shift(probs, j + 1) * logp, axis=-1)                 # [B, T]
+    # Positions whose target lies inside the sequence: n_j = T' - j - 1.
+    n_j = t - start - j - 1
+    if n_j < 1:
+      break
+    if j:
+      tok_j = _window(tokens, j + 1, start)
+      pos_j = shard(base_pos[:, start:] + j, (BATCH, SEQ))
+      hidden, k, v = drafter_layer(drafter, tok_j, hidden, pos_j, past_k, past_v,
+                                   ttt_attention_mask(t, j, start))
+      past_k.append(k)
+      past_v.append(v)
+    logits = draft_head(drafter.norm(hidden[:, :n_j]), drafter.lm_head[...])  # [B, n_j, N]
+    valid = _window(loss_mask, j + 2, start)[:, :n_j]
+    keep = (valid & in_vocab[:, start + j + 1:]).astype(jnp.float32)
+    ce = soft_cross_entropy(logits, probs[:, start + j + 1:])            # [B, n_j]
     loss_j = jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
-    pred = drafter.to_target_ids(jnp.argmax(logp, axis=-1).astype(jnp.int32))
-    hit = ((pred == _shift(target_argmax, j + 1)) & valid).astype(jnp.float32)
+    pred = drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    hit = ((pred == target_argmax[:, start + j + 1:]) & valid).astype(jnp.float32)
     count = jnp.sum(valid.astype(jnp.float32))
     total = total + (decay ** j) * loss_j
     losses.append(loss_j)
     accs.append(jnp.sum(hit) / jnp.maximum(count, 1.0))
     counts.append(count)
-  metrics = {"loss": jnp.stack(losses), "acc": jnp.stack(accs), "count": jnp.stack(counts)}
+  zero = [jnp.float32(0.0)] * (steps - len(losses))  # steps reaching past the sequence
+  metrics = {"loss": jnp.stack(losses + zero), "acc": jnp.stack(accs + zero),
+             "count": jnp.stack(counts + zero)}
   return total, metrics
