@@ -110,3 +110,20 @@ def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):
   json.dumps(result)
   plot(result, str(tmp_path / "bench.png"))
   assert (tmp_path / "bench.png").stat().st_size > 1000
+
+
+def test_training_benchmark_times_both_losses_on_one_batch():
+  # scripts/bench_train.py, shortened: both optimiser steps on the same batch give the same
+  # loss (the two formulas agree), every timing is positive and the ratio is theirs.
+  from eagle3jax.bench_train import markdown, train_step_times
+  result = train_step_times(DEFAULT_TARGET, runs=2, repeats=1, batch=2, response_len=16,
+                            log=lambda m: None)
+  assert result["loss"]["plain"] == pytest.approx(result["loss"]["ttt_loss"], rel=1e-5)
+  assert result["loss_start"] == 48 - 7 - 1
+  ratios = [a / b for a, b in zip(result["plain"]["runs"], result["ttt_loss"]["runs"])]
+  assert result["ratio"]["runs"] == pytest.approx(ratios)
+  assert min(result["features"]["runs"]) > 0
+  assert "| step, plain formula |" in markdown(result)
+  json.dumps(result)
+  with pytest.raises(ValueError, match="batch=9"):
+    train_step_times(DEFAULT_TARGET, batch=9)

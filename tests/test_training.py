@@ -13,7 +13,6 @@ from flax import nnx
 
 import eagle3jax
 from eagle3jax import training
-from eagle3jax.sharding import BATCH, SEQ, out_spec
 from eagle3jax.training import ttt
 from tests import engine_helpers
 
@@ -137,42 +136,6 @@ def test_loss_start_is_the_first_position_a_step_can_score():
   assert ttt.loss_start(np.zeros((2, 5), bool), 3) == 0
 
 
-def _reference_ttt_loss(drafter, features, tokens, loss_mask, steps, decay=0.8):
-  """The TTT loss written plainly: every step over every position, log-softmax and autodiff
-  (what ``ttt.ttt_loss`` computes with fewer positions and hand-written backwards)."""
-  b, t = tokens.shape
-
-  def shift(x, n):
-    return jnp.zeros_like(x) if n >= t else jnp.pad(
-        x[:, n:], [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
-
-  probs = jax.nn.softmax(features.draft_logits.astype(jnp.float32), axis=-1)
-  in_vocab = drafter.t2d[...].at[features.argmax].get(out_sharding=out_spec((BATCH, SEQ), (b, t)))
-  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
-  hidden, past_k, past_v, total, accs = drafter.project(features.aux), [], [], 0.0, []
-  for j in range(steps):
-    hidden, k, v = ttt.drafter_layer(drafter, shift(tokens, j + 1), hidden, pos + j, past_k,
-                                     past_v, _full_ttt_mask(t, j))
-    past_k.append(k)
-    past_v.append(v)
-    logp = jax.nn.log_softmax(drafter.logits(hidden), axis=-1)
-    valid = shift(loss_mask, j + 2)
-    keep = (valid & shift(in_vocab, j + 1)).astype(jnp.float32)
-    ce = -jnp.sum(shift(probs, j + 1) * logp, axis=-1)
-    total = total + decay ** j * jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
-    hit = (drafter.to_target_ids(jnp.argmax(logp, -1)) == shift(features.argmax, j + 1)) & valid
-    accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1))
-  return total, jnp.stack(accs)
-
-
-def _full_ttt_mask(t, step):
-  m = np.zeros((t, (step + 1) * t), bool)
-  m[:, :t] = np.tril(np.ones((t, t), bool))
-  for i in range(1, step + 1):
-    m[np.arange(t), i * t + np.arange(t)] = True
-  return m
-
-
 @pytest.mark.parametrize("first_response", [3, 12])
 def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, first_response):
   # Responses from position 12 on: with 3 steps, positions 0..7 take no loss and run only
@@ -196,8 +159,8 @@ def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, fi
       return loss, m["acc"]
 
     def ref(p):
-      return _reference_ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens,
-                                 jnp.asarray(mask), steps)
+      return ttt.reference_ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens,
+                                    jnp.asarray(mask), steps=steps)
 
     (want, want_acc), want_g = jax.jit(jax.value_and_grad(ref, has_aux=True))(params)
     for s in sorted({0, start}):

@@ -61,7 +61,7 @@ def ttt_attention_mask(seq_len: int, step: int, start: int = 0) -> np.ndarray:
 def loss_start(loss_mask: np.ndarray, steps: int) -> int:
   """The first position any of ``steps`` TTT steps can take a loss at, for host ``loss_mask
   [M, T]`` (all the training data): step j at t predicts token ``t + j + 2``, so positions
-  before ``first response token - steps - 1`` never count, and ``ttt_loss(loss_start=...)``
+  before ``first response token - steps - 1`` never count, and ``ttt_loss(start=...)``
   skips them (the drafter's step 0 still runs there: its keys are the context)."""
   loss_mask = np.asarray(loss_mask, bool)
   rows = loss_mask.any(axis=1)
@@ -243,3 +243,42 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   metrics = {"loss": jnp.stack(losses + zero), "acc": jnp.stack(accs + zero),
              "count": jnp.stack(counts + zero)}
   return total, metrics
+
+
+def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
+                       decay: float = 0.8):
+  """The TTT loss written plainly, for tests and the training benchmark: every step over every
+  position with the full ``[T, (j + 1) T]`` mask, ``log_softmax`` and autodiff. Returns ``(loss,
+  per-step accuracy [K])``; ``ttt_loss`` computes the same with fewer positions and written-out
+  backwards."""
+  b, t = tokens.shape
+
+  def shift(x, n):
+    return jnp.zeros_like(x) if n >= t else jnp.pad(
+        x[:, n:], [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
+
+  tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
+  probs = jax.nn.softmax(features.draft_logits.astype(jnp.float32), axis=-1)
+  target_argmax = features.argmax.astype(jnp.int32)
+  in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
+                                                                          (b, t)))
+  pos = shard(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), (BATCH, SEQ))
+  hidden, past_k, past_v, total, accs = drafter.project(features.aux), [], [], 0.0, []
+  for j in range(steps):
+    full = np.zeros((t, (j + 1) * t), bool)
+    full[:, :t] = np.tril(np.ones((t, t), bool))
+    for i in range(1, j + 1):
+      full[np.arange(t), i * t + np.arange(t)] = True
+    hidden, k, v = drafter_layer(drafter, shift(tokens, j + 1), hidden, pos + j, past_k,
+                                 past_v, full)
+    past_k.append(k)
+    past_v.append(v)
+    logp = jax.nn.log_softmax(drafter.logits(hidden), axis=-1)
+    valid = shift(loss_mask.astype(bool), j + 2)
+    keep = (valid & shift(in_vocab, j + 1)).astype(jnp.float32)
+    ce = -jnp.sum(shift(probs, j + 1) * logp, axis=-1)
+    total = total + decay ** j * jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+    pred = drafter.to_target_ids(jnp.argmax(logp, axis=-1).astype(jnp.int32))
+    hit = (pred == shift(target_argmax, j + 1)) & valid
+    accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1))
+  return total, jnp.stack(accs)

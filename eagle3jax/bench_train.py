@@ -1,0 +1,138 @@
+"""Drafter training step: the TTT loss written plainly against ``ttt_loss``, side by side.
+
+``train_step_times`` builds the demo's training setting on the shipped target (8 sequences of
+48 prompt + 96 regenerated response tokens, the draft vocabulary counted on them, 7 unrolled
+steps: ``DemoConfig``) and compiles two complete optimiser steps that differ only in the loss:
+``ttt.reference_ttt_loss`` (every step over every position, log-softmax, autodiff) and
+``ttt.ttt_loss`` (prompt positions that take no loss run only step 0; the head and its
+cross-entropy have written-out backwards). Each run times them alternately, ``repeats`` times
+each, on the same batch and optimiser state, and keeps the medians and their ratio; the
+target's feature forward, which every training step also pays, is timed beside them.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from eagle3jax.bench import machine, spread
+
+
+def _step_fn(loss_kind: str):
+  from eagle3jax.training import ttt  # pylint: disable=import-outside-toplevel
+  from eagle3jax.training.trainer import make_optimizer  # pylint: disable=import-outside-toplevel
+
+  @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start"))
+  def step(graphdef, cfg, params, rest, opt_state, features, tokens, loss_mask, start):
+    def loss_fn(p):
+      drafter = nnx.merge(graphdef, p, rest)
+      if loss_kind == "plain":
+        return ttt.reference_ttt_loss(drafter, features, tokens, loss_mask,
+                                      steps=cfg.ttt_steps, decay=cfg.step_decay)
+      return ttt.ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
+                          decay=cfg.step_decay, start=start)
+
+    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return step
+
+
+def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
+                     batch: int | None = None, response_len: int | None = None,
+                     log=print) -> dict:
+  """Milliseconds of one training step with each loss, their ratio, and the feature forward
+  (medians and ranges over ``runs``; each run's figure is the median of ``repeats``).
+  ``batch`` (at most 8, the held-out prompts) and ``response_len`` default to the demo's."""
+  import eagle3jax  # pylint: disable=import-outside-toplevel
+  from eagle3jax import demo  # pylint: disable=import-outside-toplevel
+  from eagle3jax.capture import CaptureSpec  # pylint: disable=import-outside-toplevel
+  from eagle3jax.stack import default_layer_loop  # pylint: disable=import-outside-toplevel
+  from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
+  from eagle3jax.training import (TRAINABLE, TrainConfig,  # pylint: disable=import-outside-toplevel
+                                  build_draft_vocab, build_training_data, loss_start,
+                                  target_features)
+  from eagle3jax.training.trainer import make_optimizer, step_config  # pylint: disable=import-outside-toplevel
+
+  cfg_demo = demo.DemoConfig()
+  batch = batch or cfg_demo.draft_batch
+  response_len = response_len or cfg_demo.response_len
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32, layer_loop=default_layer_loop())
+  out_dir = target_dir.rstrip("/").rsplit("/", 1)[0]
+  prompts = demo.heldout_prompts(out_dir, TextCodec(target_dir).tokenizer)
+  if not 1 <= batch <= len(prompts):
+    raise ValueError(f"batch={batch} must be in [1, {len(prompts)}] (the held-out prompts)")
+  seq_len = cfg_demo.prompt_len + response_len
+  data = build_training_data(target, prompts[:batch], seq_len=seq_len,
+                             max_new_tokens=response_len, batch_size=batch)
+  vocab = build_draft_vocab(data.responses(), target.config.vocab_size,
+                            cfg_demo.draft_vocab_size)
+  capture = CaptureSpec.eagle3_default(target.num_layers)
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size)
+  drafter = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t)
+  cfg = TrainConfig(learning_rate=cfg_demo.draft_lr, total_steps=cfg_demo.draft_steps,
+                    batch_size=batch, seq_len=seq_len,
+                    ttt_steps=cfg_demo.ttt_steps)
+  start = loss_start(data.loss_mask, cfg.ttt_steps)
+  graphdef, params, rest = nnx.split(drafter, TRAINABLE, ...)
+  draft_ids = np.arange(vocab.size) + np.asarray(drafter.d2t[...])
+  steps = {kind: _step_fn(kind) for kind in ("plain", "ttt_loss")}
+  with jax.set_mesh(target.mesh):
+    opt_state = make_optimizer(cfg).init(params)
+    tokens, mask = jnp.asarray(data.tokens), jnp.asarray(data.loss_mask)
+
+    def features():
+      return jax.block_until_ready(target_features(target, data.tokens, capture, draft_ids))
+
+    feats = features()
+    args = (graphdef, step_config(cfg), params, rest, opt_state, feats, tokens, mask, start)
+    losses = {k: float(jax.block_until_ready(fn(*args))[2]) for k, fn in steps.items()}
+
+    def timed(fn):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      return 1e3 * (time.perf_counter() - t0)
+
+    per_run = {"plain": [], "ttt_loss": [], "ratio": [], "features": []}
+    for run in range(runs):
+      got = {"plain": [], "ttt_loss": [], "features": []}
+      for _ in range(repeats):
+        for kind, fn in steps.items():
+          got[kind].append(timed(lambda fn=fn: fn(*args)))
+        got["features"].append(timed(features))
+      med = {k: statistics.median(v) for k, v in got.items()}
+      for k, v in med.items():
+        per_run[k].append(v)
+      per_run["ratio"].append(med["plain"] / med["ttt_loss"])
+      log(f"run {run + 1}/{runs}: plain {med['plain']:.0f} ms, ttt_loss {med['ttt_loss']:.0f} "
+          f"ms ({med['plain'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms")
+  return {"machine": machine(), "batch": cfg.batch_size, "seq_len": seq_len,
+          "ttt_steps": cfg.ttt_steps, "loss_start": start, "draft_vocab": vocab.size,
+          "loss": losses, **{k: spread(v) for k, v in per_run.items()}}
+
+
+def markdown(result: dict) -> str:
+  """The README's table of ``train_step_times``."""
+  def cell(s, unit=" ms", digits=0):
+    return (f"{s['median']:.{digits}f}{unit} ({s['min']:.{digits}f}-{s['max']:.{digits}f}"
+            f"{unit})")
+  m = result["machine"]
+  return "\n".join([
+      f"{m['cores']}-core {m['cpu']}, {m['date']}; medians (ranges) of "
+      f"{len(result['ratio']['runs'])} runs; batch {result['batch']} x {result['seq_len']} "
+      f"tokens, {result['ttt_steps']} TTT steps, draft vocabulary {result['draft_vocab']}, "
+      f"loss from position {result['loss_start']}.",
+      "",
+      "| step, plain formula | step, `ttt_loss` | speedup | target features (every step) |",
+      "|---|---|---|---|",
+      f"| {cell(result['plain'])} | {cell(result['ttt_loss'])} | "
+      f"{cell(result['ratio'], 'x', 2)} | {cell(result['features'])} |",
+  ])

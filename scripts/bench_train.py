@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""Drafter training step: the TTT loss written plainly against ttt_loss, side by side."""
+
+import argparse
+import json
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from eagle3jax.bench_train import markdown, train_step_times  # noqa: E402
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--target", default=os.path.join(REPO, "models", "default", "target"),
+                 help="target directory (its folder's manifest.json gives the prompts)")
+  p.add_argument("--runs", type=int, default=3, help="repeated runs (medians and ranges)")
+  p.add_argument("--repeats", type=int, default=5, help="timed steps per loss in each run")
+  p.add_argument("--json", default=None, help="also write the result here")
+  args = p.parse_args()
+  result = train_step_times(args.target, runs=args.runs, repeats=args.repeats)
+  print(markdown(result))
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
