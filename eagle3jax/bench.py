@@ -23,6 +23,16 @@ def spread(values) -> dict:
           "runs": values}
 
 
+def report(result: dict, table: str, json_path: str | None) -> int:
+  """What the benchmark scripts end with: prints ``table`` and, given ``json_path``, writes
+  ``result`` there; returns the exit status 0."""
+  print(table)
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(result, f, indent=1)
+  return 0
+
+
 def machine() -> dict:
   """What the numbers ran on: CPU model, cores, date."""
   model = platform.processor() or platform.machine()

@@ -2,12 +2,12 @@
 """Compile time against target depth (forward with captures, speculative decode loop)."""
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from eagle3jax.bench import report  # noqa: E402
 from eagle3jax.bench_compile import compile_scaling, markdown  # noqa: E402
 
 
@@ -18,11 +18,7 @@ def main() -> int:
   p.add_argument("--json", default=None, help="also write the result here")
   args = p.parse_args()
   result = compile_scaling(tuple(int(d) for d in args.depths.split(",")), args.repeats)
-  print(markdown(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
-  return 0
+  return report(result, markdown(result), args.json)
 
 
 if __name__ == "__main__":

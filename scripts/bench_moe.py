@@ -2,12 +2,12 @@
 """MoE forward time against the number of experts at a fixed top-k (dense vs grouped)."""
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from eagle3jax.bench import report  # noqa: E402
 from eagle3jax.bench_moe import markdown, moe_scaling  # noqa: E402
 
 
@@ -22,11 +22,7 @@ def main() -> int:
   args = p.parse_args()
   result = moe_scaling(tuple(int(e) for e in args.experts.split(",")), args.top_k, args.hidden,
                        args.ffn, args.repeats)
-  print(markdown(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
-  return 0
+  return report(result, markdown(result), args.json)
 
 
 if __name__ == "__main__":

@@ -2,13 +2,13 @@
 """Drafter training step: the TTT loss written plainly against ttt_loss, side by side."""
 
 import argparse
-import json
 import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from eagle3jax.bench import report  # noqa: E402
 from eagle3jax.bench_train import markdown, train_step_times  # noqa: E402
 
 
@@ -21,11 +21,7 @@ def main() -> int:
   p.add_argument("--json", default=None, help="also write the result here")
   args = p.parse_args()
   result = train_step_times(args.target, runs=args.runs, repeats=args.repeats)
-  print(markdown(result))
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(result, f, indent=1)
-  return 0
+  return report(result, markdown(result), args.json)
 
 
 if __name__ == "__main__":

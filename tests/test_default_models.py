@@ -112,9 +112,10 @@ def test_benchmark_pairs_timings_and_writes_json_and_plot(tmp_path):
   assert (tmp_path / "bench.png").stat().st_size > 1000
 
 
-def test_training_benchmark_times_both_losses_on_one_batch():
+def test_training_benchmark_times_both_losses_on_one_batch(tmp_path, capsys):
   # scripts/bench_train.py, shortened: both optimiser steps on the same batch give the same
   # loss (the two formulas agree), every timing is positive and the ratio is theirs.
+  from eagle3jax.bench import report
   from eagle3jax.bench_train import markdown, train_step_times
   result = train_step_times(DEFAULT_TARGET, runs=2, repeats=1, batch=2, response_len=16,
                             log=lambda m: None)
@@ -124,6 +125,9 @@ def test_training_benchmark_times_both_losses_on_one_batch():
   assert result["ratio"]["runs"] == pytest.approx(ratios)
   assert min(result["features"]["runs"]) > 0
   assert "| step, plain formula |" in markdown(result)
-  json.dumps(result)
+  assert report(result, markdown(result), str(tmp_path / "train.json")) == 0
+  assert "| step, plain formula |" in capsys.readouterr().out
+  with open(tmp_path / "train.json") as f:
+    assert json.load(f)["ratio"] == result["ratio"]
   with pytest.raises(ValueError, match="batch=9"):
     train_step_times(DEFAULT_TARGET, batch=9)
