@@ -8,10 +8,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark  # noqa: E402
-from eagle3jax.demo import DEFAULT_DIR  # noqa: E402
+from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
+from eagle3jax.demo import DEFAULT_DIR
 
 
 def main() -> int:

@@ -2,13 +2,10 @@
 """Compile time against target depth (forward with captures, speculative decode loop)."""
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eagle3jax.bench import report  # noqa: E402
-from eagle3jax.bench_compile import compile_scaling, markdown  # noqa: E402
+from eagle3jax.bench import report
+from eagle3jax.bench_compile import compile_scaling, markdown
 
 
 def main() -> int:

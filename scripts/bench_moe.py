@@ -2,13 +2,10 @@
 """MoE forward time against the number of experts at a fixed top-k (dense vs grouped)."""
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from eagle3jax.bench import report  # noqa: E402
-from eagle3jax.bench_moe import markdown, moe_scaling  # noqa: E402
+from eagle3jax.bench import report
+from eagle3jax.bench_moe import markdown, moe_scaling
 
 
 def main() -> int:

@@ -6,10 +6,9 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from eagle3jax.bench import report  # noqa: E402
-from eagle3jax.bench_train import markdown, train_step_times  # noqa: E402
+from eagle3jax.bench import report
+from eagle3jax.bench_train import markdown, train_step_times
 
 
 def main() -> int:

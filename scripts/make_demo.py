@@ -11,9 +11,8 @@ import os
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 
-from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, make_demo, make_drafter,  # noqa: E402
+from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, make_demo, make_drafter,
                             plot_curve)
 
 

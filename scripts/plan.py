@@ -38,7 +38,6 @@ def main() -> int:
   flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={data * tensor}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from eagle3jax.plan import markdown, plan  # pylint: disable=import-outside-toplevel
   try:
     with open(args.config) as f:

@@ -23,6 +23,24 @@ def test_subpackages_resolve_to_this_repository():
   assert os.path.dirname(eagle3jax.__file__) == os.path.join(REPO, "eagle3jax")
 
 
+def test_repository_root_does_not_shadow_installed_packages():
+  # The root's kernels/ and sharding/ folders would be found as the top-level packages
+  # `kernels` (PyPI's, a transformers dependency) and `sharding` if the root came before the
+  # installed packages on the path: in the tests (tests/conftest.py), in their subprocesses
+  # and in the scripts (`python scripts/X.py` puts scripts/ first, not the root).
+  import sys
+  import sysconfig
+  installed = {os.path.abspath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
+  where = [os.path.abspath(p or os.curdir) for p in sys.path]
+  first_installed = min(i for i, p in enumerate(where) if p in installed)
+  assert all(i > first_installed for i, p in enumerate(where) if p == REPO), sys.path
+  assert REPO not in [os.path.abspath(p) for p in
+                      os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+  for script in sorted(os.listdir(os.path.join(REPO, "scripts"))):
+    with open(os.path.join(REPO, "scripts", script)) as f:
+      assert "sys.path" not in f.read(), f"scripts/{script} edits sys.path"
+
+
 # --- CaptureSpec ---
 
 def test_capture_spec_default_and_validation():

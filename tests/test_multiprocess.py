@@ -98,8 +98,7 @@ def _env() -> dict:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-             JAX_DEFAULT_MATMUL_PRECISION="highest",  # as tests/conftest.py sets in-process
-             PYTHONPATH=REPO + os.pathsep + env.get("PYTHONPATH", ""))
+             JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py sets in-process
   return env
 
 
