@@ -5,8 +5,9 @@
 steps: ``DemoConfig``) and compiles two complete optimiser steps that differ only in the loss:
 ``ttt.reference_ttt_loss`` (every step over every position, log-softmax, autodiff) and
 ``ttt.ttt_loss`` (prompt positions that take no loss run only step 0; the head and its
-cross-entropy have written-out backwards). Each run times them alternately, ``repeats`` times
-each, on the same batch and optimiser state, and keeps the medians and their ratio; the
+cross-entropy have written-out backwards): ``trainer.optimizer_step`` with ``reference`` on
+and off. From the same initial drafter, each run times them alternately, ``repeats`` times
+each, on the same batch, and keeps the medians and their ratio; the
 target's feature forward, which every training step also pays, is timed beside them.
 """
 
@@ -19,31 +20,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 
 from eagle3jax.bench import machine, spread
-
-
-def _step_fn(loss_kind: str):
-  from eagle3jax.training import ttt  # pylint: disable=import-outside-toplevel
-  from eagle3jax.training.trainer import make_optimizer  # pylint: disable=import-outside-toplevel
-
-  @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start"))
-  def step(graphdef, cfg, params, rest, opt_state, features, tokens, loss_mask, start):
-    def loss_fn(p):
-      drafter = nnx.merge(graphdef, p, rest)
-      if loss_kind == "plain":
-        return ttt.reference_ttt_loss(drafter, features, tokens, loss_mask,
-                                      steps=cfg.ttt_steps, decay=cfg.step_decay)
-      return ttt.ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
-                          decay=cfg.step_decay, start=start)
-
-    (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  return step
 
 
 def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
@@ -60,7 +39,8 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   from eagle3jax.training import (TRAINABLE, TrainConfig,  # pylint: disable=import-outside-toplevel
                                   build_draft_vocab, build_training_data, loss_start,
                                   target_features)
-  from eagle3jax.training.trainer import make_optimizer, step_config  # pylint: disable=import-outside-toplevel
+  from eagle3jax.training.trainer import (make_optimizer,  # pylint: disable=import-outside-toplevel
+                                          optimizer_step, step_config)
 
   cfg_demo = demo.DemoConfig()
   batch = batch or cfg_demo.draft_batch
@@ -84,17 +64,25 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   start = loss_start(data.loss_mask, cfg.ttt_steps)
   graphdef, params, rest = nnx.split(drafter, TRAINABLE, ...)
   draft_ids = np.arange(vocab.size) + np.asarray(drafter.d2t[...])
-  steps = {kind: _step_fn(kind) for kind in ("plain", "ttt_loss")}
   with jax.set_mesh(target.mesh):
-    opt_state = make_optimizer(cfg).init(params)
     tokens, mask = jnp.asarray(data.tokens), jnp.asarray(data.loss_mask)
 
     def features():
       return jax.block_until_ready(target_features(target, data.tokens, capture, draft_ids))
 
     feats = features()
-    args = (graphdef, step_config(cfg), params, rest, opt_state, feats, tokens, mask, start)
-    losses = {k: float(jax.block_until_ready(fn(*args))[2]) for k, fn in steps.items()}
+    # Each loss trains its own copy (the optimiser state is donated), from the same start.
+    state = {kind: (params, make_optimizer(cfg).init(params)) for kind in ("plain", "ttt_loss")}
+
+    def step(kind):
+      p, o = state[kind]
+      p, o, loss, _ = optimizer_step(graphdef, step_config(cfg), p, rest, o, feats, tokens,
+                                     mask, start, reference=kind == "plain")
+      state[kind] = (p, o)
+      return loss
+
+    steps = {kind: functools.partial(step, kind) for kind in state}
+    losses = {k: float(jax.block_until_ready(fn())) for k, fn in steps.items()}
 
     def timed(fn):
       t0 = time.perf_counter()
@@ -106,7 +94,7 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       got = {"plain": [], "ttt_loss": [], "features": []}
       for _ in range(repeats):
         for kind, fn in steps.items():
-          got[kind].append(timed(lambda fn=fn: fn(*args)))
+          got[kind].append(timed(fn))
         got["features"].append(timed(features))
       med = {k: statistics.median(v) for k, v in got.items()}
       for k, v in med.items():

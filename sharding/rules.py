@@ -100,7 +100,8 @@ def param_sharding(mesh: Mesh, axes: Axes, shape: Sequence[int]) -> NamedShardin
   return NamedSharding(mesh, param_spec(axes, shape, mesh))
 
 
-def _current_mesh():
+def current_mesh():
+  """The abstract mesh set by ``jax.set_mesh`` (inside or outside jit), or None outside one."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh.empty else mesh
 
@@ -116,7 +117,7 @@ def shard(x: jax.Array, axes: Axes) -> jax.Array:
   if len(axes) != x.ndim:
     raise ValueError(f"shard: {len(axes)} logical axes {tuple(axes)} for an array of rank "
                      f"{x.ndim} (shape {x.shape})")
-  mesh = _current_mesh()
+  mesh = current_mesh()
   if mesh is None:
     return x
   return jax.reshard(x, activation_spec(axes, x.shape, mesh))
@@ -124,7 +125,7 @@ def shard(x: jax.Array, axes: Axes) -> jax.Array:
 
 def out_spec(axes: Axes, shape: Sequence[int]) -> P | None:
   """The ``out_sharding`` for an op producing logical ``axes`` (None outside a mesh)."""
-  mesh = _current_mesh()
+  mesh = current_mesh()
   if mesh is None:
     return None
   return activation_spec(axes, shape, mesh)
@@ -158,7 +159,7 @@ def gather_rows(x: jax.Array, index: jax.Array) -> jax.Array:
   b = x.shape[0]
   rows = batch_major(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], index.shape))
   index = batch_major(index.astype(jnp.int32))
-  if _current_mesh() is None:
+  if current_mesh() is None:
     return x[rows, index]
   spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim
   return x.at[rows, index].get(out_sharding=P(spec[0], None, *spec[2:x.ndim]))

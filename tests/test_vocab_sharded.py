@@ -184,6 +184,6 @@ def test_training_features_and_step_move_no_vocabulary_row(sharded_pair):
   with jax.set_mesh(mesh):
     opt_state = training.make_optimizer(cfg).init(params)
     mask = jnp.ones(tokens.shape, bool)
-    text = trainer_lib._train_step.lower(gd, cfg, params, rest, opt_state, feats,
+    text = trainer_lib.optimizer_step.lower(gd, cfg, params, rest, opt_state, feats,
                                          jnp.asarray(tokens), mask).compile().as_text()
   assert vocab_collectives(text) == []

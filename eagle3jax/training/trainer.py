@@ -47,7 +47,7 @@ from eagle3jax.drafter_io import init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      build_training_data, next_batch, target_features)
-from eagle3jax.training.ttt import loss_start, ttt_loss
+from eagle3jax.training.ttt import loss_start, reference_ttt_loss, ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
 log = logging.getLogger("eagle3jax")
@@ -163,12 +163,21 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
                   mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start", "reference"),
                    donate_argnames=("opt_state",))
-def _train_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
-                loss_mask, start: int = 0):
+def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
+                   loss_mask, start: int = 0, reference: bool = False):
+  """One AdamW step of the TTT loss; returns ``(params, opt_state, loss, metrics)``.
+
+  ``opt_state`` is donated. ``reference=True`` takes the loss as ``ttt.reference_ttt_loss``
+  writes it (the training benchmark's baseline; its metrics hold only ``acc``).
+  """
   def loss_fn(p):
     drafter = nnx.merge(graphdef, p, rest)
+    if reference:
+      loss, acc = reference_ttt_loss(drafter, features, tokens, loss_mask,
+                                     steps=cfg.ttt_steps, decay=cfg.step_decay)
+      return loss, {"acc": acc}
     return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
                     decay=cfg.step_decay, start=start)
 
@@ -296,7 +305,7 @@ class Trainer:
     tokens, mask, position = next_batch(self.data, self.position, cfg.batch_size, cfg.seed)
     features = self.features(tokens)
     with jax.set_mesh(self.mesh):
-      self.params, self.opt_state, loss, metrics = _train_step(
+      self.params, self.opt_state, loss, metrics = optimizer_step(
           self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, features,
           self._place(tokens), self._place(mask), start=self._start)
     self.step += 1

@@ -34,7 +34,7 @@ import numpy as np
 
 from eagle3jax import attention as attn_lib
 from eagle3jax.layers import einsum
-from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, out_spec, shard
+from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec, shard
 from eagle3jax.training.data import TargetFeatures
 
 
@@ -138,7 +138,7 @@ soft_cross_entropy.defvjp(_soft_ce_fwd, _soft_ce_bwd)
 
 def _like(x):
   """``out_sharding`` that keeps ``x``'s layout (None outside a mesh)."""
-  return jax.typeof(x).sharding if out_spec((None,), (1,)) is not None else None
+  return jax.typeof(x).sharding if current_mesh() is not None else None
 
 
 @jax.custom_vjp
