@@ -33,10 +33,10 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3jax import acceptance, tree as tree_lib, vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
-from eagle3jax.kv_cache import KVCache, write
+from eagle3jax.kv_cache import KVCache
 from eagle3jax.sampling import SamplingParams, probabilities, sample
-from eagle3jax.sharding import (BATCH, EMBED, batch_major as bm, gather_rows, pick_rows,
-                                shard)
+from eagle3jax.sharding import (BATCH, EMBED, batch_major as bm, current_mesh, gather_rows,
+                                pick_rows, shard)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,12 +109,19 @@ def _split_keys(keys):
   return jax.vmap(one)(keys)
 
 
+def _write_rows(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
+  """Writes ``new [B, T]`` into ``buf [B, S]`` at columns ``start[b] ..`` of each row."""
+  def one(b, n, s):
+    return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s,))
+  return jax.vmap(one)(buf, new, bm(start.astype(jnp.int32)))
+
+
 def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
   """Appends ``new[:, :count]`` to the output, applying EOS and ``max_new``; returns
   (out, out_len, finished)."""
   w = new.shape[1]
   new, count = bm(new), bm(count)
-  out = write(st.out[:, :, None, None], new[:, :, None, None], st.out_len)[:, :, 0, 0]
+  out = _write_rows(st.out, new, st.out_len)
   d = jnp.arange(w)[None, :]
   is_eos = jnp.any(new[:, :, None] == dyn.eos[None, None, :], axis=-1) & (d < count[:, None])
   has_eos = jnp.any(is_eos, axis=-1)
@@ -134,7 +141,7 @@ def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KV
 
   def move(buf):                                                          # [L, B, S, K, H]
     get_kw, set_kw = {}, {}
-    if not jax.sharding.get_abstract_mesh().empty:  # Explicit axes: name the layouts
+    if current_mesh() is not None:  # Explicit axes: name the layouts
       sharding = jax.typeof(buf).sharding
       spec = tuple(sharding.spec) + (None,) * buf.ndim
       get_kw = dict(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))

@@ -18,7 +18,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from eagle3jax.sharding import BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, out_spec, shard
+from eagle3jax.sharding import (BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, current_mesh, out_spec,
+                                shard)
 
 CACHE_AXES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)
 
@@ -69,13 +70,6 @@ class KVCache:
     return dataclasses.replace(self, lengths=lengths)
 
 
-def write(buf: jax.Array, new: jax.Array, start: jax.Array) -> jax.Array:
-  """Writes ``new [B, T, K, H]`` into ``buf [B, S, K, H]`` at slots ``start[b] ..``."""
-  def one(b, n, s):
-    return jax.lax.dynamic_update_slice(b, n.astype(b.dtype), (s, 0, 0))
-  return jax.vmap(one)(buf, new, shard(start.astype(jnp.int32), (BATCH,)))
-
-
 @dataclasses.dataclass(frozen=True)
 class LayerKV:
   """Layer ``index`` of a stacked buffer ``stacked [L, B, S, K, H]``.
@@ -101,7 +95,7 @@ class LayerKV:
                  (BATCH, None))
     slots = shard(start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :],
                   (BATCH, None))
-    kw = ({} if jax.sharding.get_abstract_mesh().empty
+    kw = ({} if current_mesh() is None
           else dict(out_sharding=jax.typeof(self.stacked).sharding))
     stacked = self.stacked.at[self.index, rows, slots].set(
         new.astype(self.stacked.dtype), mode="drop", unique_indices=True, **kw)
