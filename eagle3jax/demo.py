@@ -122,6 +122,8 @@ class DemoConfig:
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 7
+  draft_intermediate_size: int = 0
+  draft_label_temperature: float = 1.0
   heldout_every: int = 100
   seed: int = 0
 
@@ -247,13 +249,14 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
                      seq_len=seq_len, draft_vocab_size=cfg.draft_vocab_size,
                      max_new_tokens=cfg.response_len, temperature=0.0, gen_batch_size=128,
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
-                     ttt_steps=cfg.ttt_steps)
+                     ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature)
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     result = train_drafter(target, prompts, drafter_dir, dcfg,
                            checkpoint_dir=state_dir or tmp, progress=False,
                            heldout_prompts=heldout_prompts(out_dir, tok),
-                           heldout_every=cfg.heldout_every)
+                           heldout_every=cfg.heldout_every,
+                           drafter_overrides=drafter_overrides(cfg))
   last = result.history[-1] if result.history else {}
   log(f"drafter: {len(result.history)} steps in {time.perf_counter() - t0:.0f} s, coverage "
       f"{result.vocab.coverage:.3f}, last loss {last.get('loss')}, step accuracy "
@@ -267,6 +270,13 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   # benchmark measures it.
   reexport_drafter(out_dir, cfg, log=log)
   return result.curve
+
+
+def drafter_overrides(cfg: DemoConfig) -> dict | None:
+  """The drafter's ``DrafterConfig`` fields that differ from one target layer's."""
+  if cfg.draft_intermediate_size:
+    return {"intermediate_size": cfg.draft_intermediate_size}
+  return None
 
 
 def plot_curve(curve: list[dict], path: str, title: str = "") -> None:

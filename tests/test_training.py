@@ -8,6 +8,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -136,11 +137,25 @@ def test_loss_start_is_the_first_position_a_step_can_score():
   assert ttt.loss_start(np.zeros((2, 5), bool), 3) == 0
 
 
-@pytest.mark.parametrize("first_response", [3, 12])
-def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, first_response):
+def test_label_distribution_and_its_config():
+  logits = jnp.asarray([[2.0, 1.0, 0.0, 2.0], [0.5, 3.0, -1.0, 1.0]])
+  np.testing.assert_allclose(ttt.label_distribution(logits, 1.0), jax.nn.softmax(logits, -1),
+                             rtol=1e-6)
+  np.testing.assert_allclose(ttt.label_distribution(logits, 0.5),
+                             jax.nn.softmax(2 * logits, -1), rtol=1e-6)
+  np.testing.assert_array_equal(ttt.label_distribution(logits, 0.0),
+                                [[0.5, 0, 0, 0.5], [0, 1, 0, 0]])   # ties shared
+  for bad in (-0.5, float("inf"), float("nan")):
+    with pytest.raises(ValueError, match="label_temperature"):
+      training.TrainConfig(label_temperature=bad)
+
+
+@pytest.mark.parametrize("first_response,label_temperature", [(3, 1.0), (12, 1.0), (12, 0.0)])
+def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, first_response,
+                                                                label_temperature):
   # Responses from position 12 on: with 3 steps, positions 0..7 take no loss and run only
   # step 0 (start = 8). The loss, the per-step accuracy and every gradient must equal the
-  # plain formula's; start = 0 must too.
+  # plain formula's; start = 0 must too; with one-hot labels as well, whose loss differs.
   _, d = data
   dr = _drafter(target, d)
   tokens = jnp.asarray(d.tokens[:4])
@@ -155,14 +170,20 @@ def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, fi
 
     def ours(p, s):
       loss, m = ttt.ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens, jnp.asarray(mask),
-                             steps=steps, start=s)
+                             steps=steps, start=s, label_temperature=label_temperature)
       return loss, m["acc"]
 
-    def ref(p):
+    def ref(p, temperature=label_temperature):
       return ttt.reference_ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens,
-                                    jnp.asarray(mask), steps=steps)
+                                    jnp.asarray(mask), steps=steps,
+                                    label_temperature=temperature)
 
     (want, want_acc), want_g = jax.jit(jax.value_and_grad(ref, has_aux=True))(params)
+    if label_temperature != 1.0:  # the labels reach the gradient (an untrained head's loss is
+      # about log N either way)
+      soft_g = jax.jit(jax.grad(lambda p: ref(p, 1.0)[0]))(params)
+      diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, soft_g, want_g))
+      assert float(diff) > 0.1 * float(optax.tree.norm(soft_g))
     for s in sorted({0, start}):
       (got, got_acc), got_g = jax.jit(jax.value_and_grad(ours, has_aux=True),
                                       static_argnums=1)(params, s)

@@ -73,6 +73,9 @@ class TrainConfig:
     seq_len: T: sequences (prompt + response) are cut and padded to this length.
     ttt_steps: K, unrolled draft steps of the training-time test.
     step_decay: TTT step j is weighted ``step_decay**j``.
+    label_temperature: the loss's labels are the target's draft-vocabulary distribution at
+      this temperature (``ttt.label_distribution``): 1 is EAGLE-3's soft labels (drafters
+      served with sampling); 0 is one-hot on the target's top token (drafters served greedily).
     checkpoint_every: save a checkpoint every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     seed: data order and drafter initialisation.
@@ -93,6 +96,7 @@ class TrainConfig:
   seq_len: int = 2048
   ttt_steps: int = 7
   step_decay: float = 0.8
+  label_temperature: float = 1.0
   checkpoint_every: int = 500
   keep_checkpoints: int = 2
   seed: int = 0
@@ -122,6 +126,9 @@ class TrainConfig:
     for name in ("final_lr_fraction", "step_decay"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be in [0, 1]")
+    if not 0 <= self.label_temperature < float("inf"):
+      raise ValueError(f"TrainConfig.label_temperature={self.label_temperature!r} must be a "
+                       "finite number >= 0 (1: soft labels, 0: the target's top token)")
     if self.weight_decay < 0 or self.grad_clip <= 0 or self.temperature < 0:
       raise ValueError(f"TrainConfig: weight_decay={self.weight_decay} and temperature="
                        f"{self.temperature} must be >= 0, grad_clip={self.grad_clip} > 0")
@@ -176,10 +183,11 @@ def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features
     drafter = nnx.merge(graphdef, p, rest)
     if reference:
       loss, acc = reference_ttt_loss(drafter, features, tokens, loss_mask,
-                                     steps=cfg.ttt_steps, decay=cfg.step_decay)
+                                     steps=cfg.ttt_steps, decay=cfg.step_decay,
+                                     label_temperature=cfg.label_temperature)
       return loss, {"acc": acc}
     return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
-                    decay=cfg.step_decay, start=start)
+                    decay=cfg.step_decay, start=start, label_temperature=cfg.label_temperature)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)

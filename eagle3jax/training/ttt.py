@@ -165,8 +165,23 @@ def _head_bwd(res, g):
 draft_head.defvjp(_head_fwd, _head_bwd)
 
 
+def label_distribution(draft_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
+  """The TTT loss's labels from the target's draft-vocabulary logits ``[..., N]``.
+
+  ``temperature`` 1 is EAGLE-3's: the target's distribution (what rejection sampling needs the
+  drafter to match). Below 1 it is sharpened; 0 is one-hot on the target's top token (ties
+  shared), the quantity a drafter served greedily is judged on: which token the target picks,
+  not how probable the runners-up are.
+  """
+  logits = draft_logits.astype(jnp.float32)
+  if temperature == 0:
+    top = (logits >= jnp.max(logits, axis=-1, keepdims=True)).astype(jnp.float32)
+    return top / jnp.sum(top, axis=-1, keepdims=True)
+  return jax.nn.softmax(logits / temperature, axis=-1)
+
+
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
-             decay: float = 0.8, start: int = 0):
+             decay: float = 0.8, start: int = 0, label_temperature: float = 1.0):
   """The TTT loss of a batch.
 
   Args:
@@ -182,6 +197,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
       ``loss_mask[:, :start + steps + 1]`` is all False, which ``loss_start(mask, steps)`` of
       the whole training data guarantees (the prompts). Saves the prompt's share of every
       step's layer and draft-vocabulary head.
+    label_temperature: the labels are ``label_distribution(target logits, this)``.
 
   Returns:
     ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K]}`` (per-step
@@ -200,7 +216,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
   loss_mask = shard(loss_mask.astype(bool), (BATCH, SEQ))
   sel = shard(features.draft_logits.astype(jnp.float32), (BATCH, SEQ, VOCAB))
-  probs = jax.nn.softmax(sel, axis=-1)                                  # [B, T, N]
+  probs = label_distribution(sel, label_temperature)                    # [B, T, N]
   target_argmax = shard(features.argmax.astype(jnp.int32), (BATCH, SEQ))
   in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
                                                                           (b, t)))
@@ -246,7 +262,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
 
 
 def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
-                       decay: float = 0.8):
+                       decay: float = 0.8, label_temperature: float = 1.0):
   """The TTT loss written plainly, for tests and the training benchmark: every step over every
   position with the full ``[T, (j + 1) T]`` mask, ``log_softmax`` and autodiff. Returns ``(loss,
   per-step accuracy [K])``; ``ttt_loss`` computes the same with fewer positions and written-out
@@ -258,7 +274,7 @@ def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, 
         x[:, n:], [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2))
 
   tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
-  probs = jax.nn.softmax(features.draft_logits.astype(jnp.float32), axis=-1)
+  probs = label_distribution(features.draft_logits, label_temperature)
   target_argmax = features.argmax.astype(jnp.int32)
   in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
                                                                           (b, t)))
