@@ -134,7 +134,6 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   learning curve (``make_drafter``)."""
   import jax.numpy as jnp
   import eagle3jax
-  from eagle3jax.stack import default_layer_loop
   from eagle3jax.hf_export import save_target
   from eagle3jax.training.lm import LMTrainConfig, train_lm
 
