@@ -123,7 +123,7 @@ class DemoConfig:
   draft_batch: int = 8
   ttt_steps: int = 7
   draft_intermediate_size: int = 0
-  draft_label_temperature: float = 1.0
+  draft_label_temperature: float = 0.0
   heldout_every: int = 100
   seed: int = 0
 
