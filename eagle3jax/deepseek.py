@@ -38,7 +38,7 @@ from eagle3jax import quant
 from eagle3jax import stack as stack_lib
 from eagle3jax.decoder import DecoderLayer, DecoderLM
 from eagle3jax.deepseek_config import DeepseekConfig
-from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.layers import RMSNorm, merge_heads, param
 from eagle3jax.llama import ACT, LlamaMLP
 from eagle3jax.quant import linear_param
 from eagle3jax.quant_config import layer_schemes
@@ -120,7 +120,7 @@ class MLAttention(nnx.Module):
       k_buf, v_buf = k_buf.write(ckv, lengths), v_buf.write(k_pe, lengths)
       keys, values = k_buf.read(), v_buf.read()
     out = self.attend(q_nope, q_pe, keys[:, :, 0], values[:, :, 0], lengths, tree_mask)
-    return einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT), k_buf, v_buf
+    return merge_heads(out, self.o_proj[...], ACT), k_buf, v_buf
 
   def attend(self, q_nope, q_pe, ckv, k_pe, lengths, tree_mask):
     """Absorbed attention over latents ``ckv [B, S, C]``, ``k_pe [B, S, Hr]``: ``[B, T, N, v]``.

@@ -25,7 +25,7 @@ from flax import nnx
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax.capture import CaptureSpec
-from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.layers import RMSNorm, einsum, merge_heads, param
 from eagle3jax.llama import ACT, LlamaMLP, kv_head_replication
 from eagle3jax.rope import RopeConfig, apply_rope
 from eagle3jax.sharding import (BATCH, CAPTURE, EMBED, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
@@ -199,7 +199,7 @@ class Eagle3Drafter(nnx.Module):
 
   def attention_output(self, hidden, o):
     """``a``: residual from ``hidden`` (not the embedding), o_proj, then the SwiGLU MLP."""
-    u = shard(hidden + einsum("BTNH,NHD->BTD", o, self.self_attn.o_proj[...], ACT), ACT)
+    u = shard(hidden + merge_heads(o, self.self_attn.o_proj[...], ACT), ACT)
     return shard(u + self.mlp(self.post_attention_layernorm(u)), ACT)
 
   def __call__(self, tokens, hidden, positions, cache: kv_lib.KVCache | None = None,

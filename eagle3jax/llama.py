@@ -27,7 +27,7 @@ from eagle3jax import kv_cache as kv_lib
 from eagle3jax import stack as stack_lib
 from eagle3jax.config import LlamaConfig
 from eagle3jax.decoder import ACT, DecoderLayer, DecoderLM
-from eagle3jax.layers import RMSNorm, einsum, param
+from eagle3jax.layers import RMSNorm, einsum, merge_heads, param
 from eagle3jax.quant import linear_param
 from eagle3jax.rope import apply_rope
 from eagle3jax.sharding import EMBED, HEAD_DIM, HEADS, KV_HEADS, MLP, VOCAB
@@ -82,7 +82,7 @@ class LlamaAttention(nnx.Module):
       keys, values = k_buf.read(), v_buf.read()
     out = attn_lib.attend(q, keys, values, lengths, tree_mask,
                           scale=1.0 / math.sqrt(q.shape[-1]), impl=impl)
-    y = einsum("BTNH,NHD->BTD", out, self.o_proj[...], ACT)
+    y = merge_heads(out, self.o_proj[...], ACT)
     if cfg.o_bias:
       y = y + self.o_bias[...]
     return y, k_buf, v_buf
