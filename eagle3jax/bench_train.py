@@ -73,10 +73,11 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
     feats = features()
     # Each loss trains its own copy (the optimiser state is donated), from the same start.
     state = {kind: (params, make_optimizer(cfg).init(params)) for kind in ("plain", "ttt_loss")}
+    static = step_config(cfg)
 
     def step(kind):
       p, o = state[kind]
-      p, o, loss, _ = optimizer_step(graphdef, step_config(cfg), p, rest, o, feats, tokens,
+      p, o, loss, _ = optimizer_step(graphdef, static, p, rest, o, feats, tokens,
                                      mask, start, reference=kind == "plain")
       state[kind] = (p, o)
       return loss

@@ -36,6 +36,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3jax.layers import param
+from eagle3jax.sharding import current_mesh
 
 FP8_BLOCK = "fp8_block"
 INT4_GROUP = "int4_group"
@@ -242,7 +243,7 @@ def take(w, ids, axis: int = 0, dtype=None, out_sharding=None):
 def _gather(x, ids, axis: int, out_sharding):
   ids = jnp.asarray(ids)
   index = (slice(None),) * axis + (ids,)
-  if jax.sharding.get_abstract_mesh().empty:
+  if current_mesh() is None:
     return x[index]
   if out_sharding is None:
     spec = tuple(jax.typeof(x).sharding.spec) + (None,) * x.ndim

@@ -155,7 +155,8 @@ def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, fi
                                                                 label_temperature):
   # Responses from position 12 on: with 3 steps, positions 0..7 take no loss and run only
   # step 0 (start = 8). The loss, the per-step accuracy and every gradient must equal the
-  # plain formula's; start = 0 must too; with one-hot labels as well, whose loss differs.
+  # plain formula's; start = 0 must too; with one-hot labels as well (whose gradients
+  # differ from the soft labels').
   _, d = data
   dr = _drafter(target, d)
   tokens = jnp.asarray(d.tokens[:4])
