@@ -124,6 +124,7 @@ class DemoConfig:
   ttt_steps: int = 7
   draft_intermediate_size: int = 0
   draft_label_temperature: float = 0.0
+  draft_step_decay: float = 0.8
   heldout_every: int = 100
   seed: int = 0
 
@@ -231,7 +232,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   import eagle3jax
   from eagle3jax.stack import default_layer_loop
   from eagle3jax.text import TextCodec
-  from eagle3jax.training import TrainConfig, train_drafter
+  from eagle3jax.training import train_drafter
 
   target_dir = os.path.join(out_dir, "target")
   drafter_dir = os.path.join(out_dir, "drafter")
@@ -242,13 +243,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
                                  layer_loop=default_layer_loop())
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
-  seq_len = cfg.prompt_len + cfg.response_len
-  dcfg = TrainConfig(learning_rate=cfg.draft_lr, warmup_steps=min(60, cfg.draft_steps // 5),
-                     total_steps=cfg.draft_steps, batch_size=cfg.draft_batch,
-                     seq_len=seq_len, draft_vocab_size=cfg.draft_vocab_size,
-                     max_new_tokens=cfg.response_len, temperature=0.0, gen_batch_size=128,
-                     checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
-                     ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature)
+  dcfg = drafter_train_config(cfg)
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     result = train_drafter(target, prompts, drafter_dir, dcfg,
@@ -269,6 +264,19 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   # benchmark measures it.
   reexport_drafter(out_dir, cfg, log=log)
   return result.curve
+
+
+def drafter_train_config(cfg: DemoConfig):
+  """The drafter's ``TrainConfig`` for a demo config (greedy regeneration of the responses)."""
+  from eagle3jax.training import TrainConfig
+  return TrainConfig(learning_rate=cfg.draft_lr, warmup_steps=min(60, cfg.draft_steps // 5),
+                     total_steps=cfg.draft_steps, batch_size=cfg.draft_batch,
+                     seq_len=cfg.prompt_len + cfg.response_len,
+                     draft_vocab_size=cfg.draft_vocab_size, max_new_tokens=cfg.response_len,
+                     temperature=0.0, gen_batch_size=128,
+                     checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
+                     ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
+                     step_decay=cfg.draft_step_decay)
 
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:
