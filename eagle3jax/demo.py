@@ -114,7 +114,7 @@ class DemoConfig:
   lm_batch: int = 16
   lm_seq_len: int = 256
   lm_lr: float = 3e-3
-  draft_vocab_size: int = 4096
+  draft_vocab_size: int = 1024
   draft_prompts: int = 4096
   prompt_len: int = 48
   response_len: int = 96

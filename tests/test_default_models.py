@@ -56,7 +56,7 @@ def test_shipped_pair_decodes_losslessly():
   assert spec.tokens == base.tokens
   assert spec.stats["accept_length_mean"] > 1.5  # the trained drafter is right often
   assert "capture record verified" in drafter.capture_explanation
-  assert spec.stats["accept_length_recorded"] == 4.4805  # held-out, at (5, 1, 6)
+  assert spec.stats["accept_length_recorded"] == 4.4526  # held-out, at (5, 1, 6)
 
 
 def test_shipped_drafter_carries_embedding_and_record_and_refuses_the_seed_rewrite(tmp_path):
