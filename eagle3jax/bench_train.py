@@ -13,6 +13,7 @@ target's feature forward, which every training step also pays, is timed beside t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import statistics
 import time
@@ -36,7 +37,7 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   from eagle3jax.capture import CaptureSpec  # pylint: disable=import-outside-toplevel
   from eagle3jax.stack import default_layer_loop  # pylint: disable=import-outside-toplevel
   from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
-  from eagle3jax.training import (TRAINABLE, TrainConfig,  # pylint: disable=import-outside-toplevel
+  from eagle3jax.training import (TRAINABLE,  # pylint: disable=import-outside-toplevel
                                   build_draft_vocab, build_training_data, loss_start,
                                   target_features)
   from eagle3jax.training.trainer import (make_optimizer,  # pylint: disable=import-outside-toplevel
@@ -56,11 +57,12 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   vocab = build_draft_vocab(data.responses(), target.config.vocab_size,
                             cfg_demo.draft_vocab_size)
   capture = CaptureSpec.eagle3_default(target.num_layers)
-  dcfg = eagle3jax.DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size)
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
+                                            **(demo.drafter_overrides(cfg_demo) or {}))
   drafter = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t)
-  cfg = TrainConfig(learning_rate=cfg_demo.draft_lr, total_steps=cfg_demo.draft_steps,
-                    batch_size=batch, seq_len=seq_len,
-                    ttt_steps=cfg_demo.ttt_steps)
+  # The demo's own recipe (labels, step decay, learning rate), on this batch and length.
+  cfg = dataclasses.replace(demo.drafter_train_config(cfg_demo), batch_size=batch,
+                            seq_len=seq_len, max_new_tokens=response_len)
   start = loss_start(data.loss_mask, cfg.ttt_steps)
   graphdef, params, rest = nnx.split(drafter, TRAINABLE, ...)
   draft_ids = np.arange(vocab.size) + np.asarray(drafter.d2t[...])
