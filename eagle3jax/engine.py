@@ -33,9 +33,9 @@ from jax.sharding import PartitionSpec as P
 
 from eagle3jax import acceptance, tree as tree_lib, vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
-from eagle3jax.kv_cache import KVCache
+from eagle3jax.kv_cache import KVCache, update_rows
 from eagle3jax.sampling import SamplingParams, probabilities, sample
-from eagle3jax.sharding import (BATCH, EMBED, batch_major as bm, current_mesh, gather_rows,
+from eagle3jax.sharding import (BATCH, EMBED, batch_major as bm, gather_rows,
                                 pick_rows, shard)
 
 
@@ -132,23 +132,24 @@ def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
 
 def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KVCache:
   """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer: one gather and
-  one in-place scatter (unique indices) over ``[L, B, S, K, H]``; a per-layer loop of
-  ``dynamic_update_slice`` made XLA:CPU copy the whole cache every round."""
+  one in-place scatter (unique indices) over ``[L, B, S, K, H]``, shard by shard when rows are
+  sharded (``kv_cache.update_rows``); a per-layer loop of ``dynamic_update_slice`` made XLA:CPU
+  copy the whole cache every round."""
   w = path.shape[1]
-  rows = bm(jnp.broadcast_to(jnp.arange(path.shape[0], dtype=jnp.int32)[:, None], path.shape))
   src = bm(cache.lengths[:, None] + path)                                 # [B, W]
   dst = bm(cache.lengths[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :])
 
-  def move(buf):                                                          # [L, B, S, K, H]
-    get_kw, set_kw = {}, {}
-    if current_mesh() is not None:  # Explicit axes: name the layouts
-      sharding = jax.typeof(buf).sharding
-      spec = tuple(sharding.spec) + (None,) * buf.ndim
+  def move(buf, src, dst, **kw):                                          # [L, B, S, K, H]
+    b = src.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
+    get_kw = {}
+    if kw:  # Explicit axes, rows not sharded: name the gathered layout
+      spec = tuple(kw["out_sharding"].spec) + (None,) * buf.ndim
       get_kw = dict(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
-      set_kw = dict(out_sharding=sharding)
     moved = buf.at[:, rows, src].get(mode="promise_in_bounds", **get_kw)
-    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True, **set_kw)
-  return KVCache(move(cache.k), move(cache.v), new_lengths)
+    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True, **kw)
+  return KVCache(update_rows(move, cache.k, (src, dst)), update_rows(move, cache.v, (src, dst)),
+                 new_lengths)
 
 
 def _log_softmax(x):

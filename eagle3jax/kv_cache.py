@@ -14,9 +14,11 @@ attention; the slab is never copied out and written back whole.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from eagle3jax.sharding import (BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, current_mesh, out_spec,
                                 shard)
@@ -88,19 +90,50 @@ class LayerKV:
     One scatter with unique indices: XLA updates the buffer in place. (A ``vmap`` of
     ``dynamic_update_slice`` or a slab ``.at[i].set`` made XLA:CPU copy the whole stacked
     buffer per layer: 20x slower at batch 128.) Slots past the buffer are dropped (callers
-    size caches so that none are).
+    size caches so that none are). Rows sharded over ``data`` are written shard by shard
+    (``update_rows``).
     """
-    b, t = new.shape[:2]
-    rows = shard(jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t)),
-                 (BATCH, None))
-    slots = shard(start.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :],
-                  (BATCH, None))
-    kw = ({} if current_mesh() is None
-          else dict(out_sharding=jax.typeof(self.stacked).sharding))
-    stacked = self.stacked.at[self.index, rows, slots].set(
-        new.astype(self.stacked.dtype), mode="drop", unique_indices=True, **kw)
-    return LayerKV(stacked, self.index)
+    t = new.shape[1]
+
+    def scatter(buf, new, start, index, **kw):
+      b = new.shape[0]
+      rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+      slots = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+      return buf.at[index, rows, slots].set(new.astype(buf.dtype), mode="drop",
+                                            unique_indices=True, **kw)
+
+    index = jnp.asarray(self.index, jnp.int32)
+    return LayerKV(update_rows(scatter, self.stacked, (new, start.astype(jnp.int32)),
+                               (index,)), self.index)
 
   def read(self) -> jax.Array:
     """This layer's ``[B, S, K, H]`` slab."""
     return self.stacked[self.index]
+
+
+def update_rows(fn, buf: jax.Array, row_args: tuple, scalars: tuple = ()) -> jax.Array:
+  """``fn(buf, *row_args, *scalars)`` for a row-local update of a stacked cache buffer.
+
+  ``buf`` is ``[L, B, S, ...]`` and each of ``row_args`` is ``[B, ...]``: row ``b`` of every
+  argument touches only row ``b`` of ``buf`` (cache writes, the commit's moves). When the rows
+  are sharded over ``data`` the update runs shard by shard under ``jax.shard_map``, each device
+  on its own rows with local row numbers: a plain scatter into a buffer sharded on an indexed
+  dimension made the SPMD partitioner all-gather every update and its indices over ``data`` in
+  every layer. Otherwise (no mesh, rows on one device, or layers or slots sharded, which no
+  rule does) ``fn`` runs once, given the buffer's layout as ``out_sharding`` under a mesh.
+  ``scalars`` are replicated.
+  """
+  mesh = current_mesh()
+  if mesh is None:
+    return fn(buf, *row_args, *scalars)
+  sharding = jax.typeof(buf).sharding
+  spec = tuple(sharding.spec) + (None,) * (buf.ndim - len(sharding.spec))
+  rows_axes = () if spec[1] is None else spec[1] if isinstance(spec[1], tuple) else (spec[1],)
+  if (math.prod(dict(mesh.shape)[a] for a in rows_axes) == 1 or spec[0] is not None
+      or spec[2] is not None):
+    return fn(buf, *row_args, *scalars, out_sharding=sharding)
+  row_specs = tuple(P(spec[1], *((None,) * (a.ndim - 1))) if a.ndim < 3
+                    else P(spec[1], None, *spec[3:3 + a.ndim - 2]) for a in row_args)
+  row_args = tuple(jax.reshard(a, s) for a, s in zip(row_args, row_specs))
+  return jax.shard_map(fn, in_specs=(P(*spec),) + row_specs + (P(),) * len(scalars),
+                       out_specs=P(*spec), check_vma=False)(buf, *row_args, *scalars)
