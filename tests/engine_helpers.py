@@ -63,3 +63,25 @@ def make_copy_drafter(dr, tgt):
 
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 3], [1, 2 + 1, 4], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def decode_program_text(mesh, tgt, dr, spec, *, batch: int, prompt_len: int = 16,
+                        max_len: int = 64, temperature: float = 0.0, top_p: float = 1.0) -> str:
+  """The compiled decode loop (``engine._decode_jit``, 4 rounds) on ``mesh`` as HLO text, for
+  ``batch`` rows of ``prompt_len`` tokens in a ``max_len``-slot cache."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from eagle3jax import engine as eng  # pylint: disable=import-outside-toplevel
+  from eagle3jax.sharding import BATCH, SEQ, shard  # pylint: disable=import-outside-toplevel
+  graphdef, params = nnx.split((tgt, dr))
+  b, t = batch, prompt_len
+  with jax.set_mesh(mesh):
+    tokens = shard(jnp.zeros((b, t), jnp.int32), (BATCH, SEQ))
+    lengths = shard(jnp.full((b,), t, jnp.int32), (BATCH,))
+    keys = shard(jnp.zeros((b, 2), jnp.uint32), (BATCH, None))
+    dyn = eng.Dynamic(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
+                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+    st = jax.eval_shape(lambda p: eng._prefill_jit(graphdef, p, tokens, lengths, keys, dyn,
+                                                   spec=spec, max_len=max_len,
+                                                   out_size=max_len), params)
+    return eng._decode_jit.lower(graphdef, params, st, dyn, jnp.int32(4),
+                                 spec=spec).compile().as_text()

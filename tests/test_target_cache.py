@@ -181,25 +181,11 @@ def test_decode_round_on_a_data_sharded_mesh_gathers_nothing():
   row's cache traffic stays on its device (before ``update_rows``: 30 all-gathers of new K/V
   rows, scatter indices and commit moves)."""
   from eagle3jax import engine as eng, sampling
-  from eagle3jax.sharding import BATCH, SEQ, shard
   from eagle3jax.tree import TreeShape
   from tests import engine_helpers as h
   mesh = eagle3jax.make_mesh(2, 4)
   tgt = h.target(mesh)
-  dr = h.random_drafter(tgt)
   spec = eng.EngineSpec(tree=TreeShape(3, 1, 4), capture=h.CAPTURE,
                         sampling=sampling.SamplingParams(greedy=True, top_k=0))
-  graphdef, params = nnx.split((tgt, dr))
-  b, t, max_len = 4, 16, 64
-  with jax.set_mesh(mesh):
-    tokens = shard(jnp.zeros((b, t), jnp.int32), (BATCH, SEQ))
-    lengths = shard(jnp.full((b,), t, jnp.int32), (BATCH,))
-    keys = shard(jnp.zeros((b, 2), jnp.uint32), (BATCH, None))
-    dyn = eng.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
-                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
-    st = jax.eval_shape(lambda p: eng._prefill_jit(graphdef, p, tokens, lengths, keys, dyn,
-                                                   spec=spec, max_len=max_len,
-                                                   out_size=max_len), params)
-    text = eng._decode_jit.lower(graphdef, params, st, dyn, jnp.int32(4),
-                                 spec=spec).compile().as_text()
+  text = h.decode_program_text(mesh, tgt, h.random_drafter(tgt), spec, batch=4)
   assert "all-gather(" not in text and "all-gather-start(" not in text

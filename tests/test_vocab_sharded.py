@@ -21,7 +21,6 @@ from eagle3jax import sampling, training
 from eagle3jax import vocab_parallel as vp
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek_config import DeepseekConfig
-from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.training import data as data_lib, trainer as trainer_lib
 from eagle3jax.tree import TreeShape
 from tests import engine_helpers as h
@@ -144,19 +143,7 @@ def test_compiled_round_moves_no_vocabulary_row(sharded_pair, greedy):
   spec = eng.EngineSpec(tree=TreeShape(3, 2, 5),
                         sampling=sampling.SamplingParams(greedy=greedy, top_k=0 if greedy else 5),
                         capture=h.CAPTURE)
-  graphdef, params = nnx.split((tgt, dr))
-  b, t, max_len = 2, 16, 64
-  with jax.set_mesh(mesh):
-    tokens = shard(jnp.zeros((b, t), jnp.int32), (BATCH, SEQ))
-    lengths = shard(jnp.full((b,), t, jnp.int32), (BATCH,))
-    keys = shard(jnp.zeros((b, 2), jnp.uint32), (BATCH, None))
-    dyn = eng.Dynamic(temperature=jnp.float32(1), top_p=jnp.float32(0.9),
-                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
-    st = jax.eval_shape(lambda p: eng._prefill_jit(graphdef, p, tokens, lengths, keys, dyn,
-                                                   spec=spec, max_len=max_len,
-                                                   out_size=max_len), params)
-    text = eng._decode_jit.lower(graphdef, params, st, dyn, jnp.int32(4),
-                                 spec=spec).compile().as_text()
+  text = h.decode_program_text(mesh, tgt, dr, spec, batch=2, temperature=1.0, top_p=0.9)
   assert "all-gather" in text          # the small candidate exchanges are there
   assert vocab_collectives(text) == []
 
