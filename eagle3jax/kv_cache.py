@@ -132,8 +132,8 @@ def update_rows(fn, buf: jax.Array, row_args: tuple, scalars: tuple = ()) -> jax
   if (math.prod(dict(mesh.shape)[a] for a in rows_axes) == 1 or spec[0] is not None
       or spec[2] is not None):
     return fn(buf, *row_args, *scalars, out_sharding=sharding)
-  row_specs = tuple(P(spec[1], *((None,) * (a.ndim - 1))) if a.ndim < 3
-                    else P(spec[1], None, *spec[3:3 + a.ndim - 2]) for a in row_args)
+  # A row argument's dims after B follow the buffer's after S: [B, T, K, H] beside [.., S, K, H].
+  row_specs = tuple(P(spec[1], *((None,) + spec[3:])[:a.ndim - 1]) for a in row_args)
   row_args = tuple(jax.reshard(a, s) for a, s in zip(row_args, row_specs))
   return jax.shard_map(fn, in_specs=(P(*spec),) + row_specs + (P(),) * len(scalars),
                        out_specs=P(*spec), check_vma=False)(buf, *row_args, *scalars)
