@@ -213,7 +213,7 @@ def _draft_tree(drafter, st: DecodeState, spec: EngineSpec):
     pool_tok.append(c_tok)
     pool_score.append(cum)
     pool_parent.append(jnp.repeat(f_idx, k, axis=1))
-    f_score, sel = jax.lax.top_k(cum, k)
+    f_score, sel = vp.top_k(cum, k)
     parent_f = sel // k
     f_idx = k + (j - 1) * k * k + sel
     f_hidden = gather_rows(a, parent_f)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows
 
 
@@ -76,7 +77,7 @@ def select(pool_score: jax.Array, pool_parent: jax.Array, pool_token: jax.Array,
   """
   b, m = pool_score.shape
   p = shape.num_draft_tokens
-  _, best = jax.lax.top_k(pool_score, p - 1)
+  _, best = vp.top_k(pool_score, p - 1)
   sel = jnp.sort(best, axis=-1)                                            # [B, P-1]
   pp = gather_rows(pool_parent, sel)                      # [B, P-1]
   # Node index of each parent: where the parent's pool index sits in ``sel`` (+1 for the root).

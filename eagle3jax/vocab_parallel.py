@@ -11,7 +11,8 @@ per-shard partial results and a small collective over ``tensor``:
   all-gather of the ``n`` per-shard ``(max, index)`` pairs). ``jnp.argmax`` keeps its
   first-occurrence tie rule, so greedy tokens equal the single-device ones exactly.
 * ``top_k``: per-shard top-k under ``shard_map``, an all-gather of the ``n * k`` candidates,
-  a top-k of those; exact, ties to the lower index as ``jax.lax.top_k``.
+  a top-k of those; exact, ties to the lower index as ``jax.lax.top_k``. Over a whole last
+  axis it still runs shard by shard when rows are sharded (no gather of rows over ``data``).
 * ``nucleus_mask`` (top-p): a bisection on the float32 bit pattern of the probability
   threshold, each step one masked sum (an all-reduce of ``[...]``).
 * ``gumbel_rows``: sampling noise drawn in the logits' layout; JAX's partitionable threefry
@@ -74,7 +75,7 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   """
   axis = vocab_axis(x)
   if axis is None:
-    return jax.lax.top_k(x, k)
+    return _row_local_top_k(x, k)
   n = _mesh().shape[axis]
   local = x.shape[-1] // n
   kk = min(k, local)   # a shard holds at most ``local`` of the global top-k
@@ -92,6 +93,19 @@ def top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
 
   out = P(*spec[:-1], None)
   return jax.shard_map(body, in_specs=P(*spec), out_specs=(out, out), check_vma=False)(x)
+
+
+def _row_local_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """``jax.lax.top_k`` of an ``x`` whose last axis is whole, run shard by shard (under
+  ``shard_map``) when a leading axis is sharded over more than one device: the SPMD
+  partitioner all-gathered a top-k's rows over ``data`` (every draft step of a tree, and its
+  selection, on a data-sharded mesh)."""
+  mesh, spec = _mesh(), _spec(x)
+  if mesh is None or not any(a is not None for a in spec[:-1]):
+    return jax.lax.top_k(x, k)
+  out = P(*spec[:-1], None)
+  return jax.shard_map(lambda xl: tuple(jax.lax.top_k(xl, k)), in_specs=P(*spec),
+                       out_specs=(out, out), check_vma=False)(x)
 
 
 def take_columns(x: jax.Array, ids: jax.Array) -> jax.Array:

@@ -176,16 +176,17 @@ def test_row_sharded_cache_updates_stay_on_their_devices():
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_decode_round_on_a_data_sharded_mesh_gathers_nothing():
-  """The compiled speculative decode loop (chain drafts, greedy) on mesh 2 x 4, batch 4: every
-  row's cache traffic stays on its device (before ``update_rows``: 30 all-gathers of new K/V
-  rows, scatter indices and commit moves)."""
+@pytest.mark.parametrize("tree", [(3, 1, 4), (3, 2, 6)], ids=["chain", "tree"])
+def test_decode_round_on_a_data_sharded_mesh_gathers_nothing(tree):
+  """The compiled speculative decode loop (greedy; a chain, and a tree, whose commit moves K/V)
+  on mesh 2 x 4, batch 4: every row's cache traffic stays on its device (before
+  ``update_rows``: 30 all-gathers of new K/V rows, scatter indices and commit moves)."""
   from eagle3jax import engine as eng, sampling
   from eagle3jax.tree import TreeShape
   from tests import engine_helpers as h
   mesh = eagle3jax.make_mesh(2, 4)
   tgt = h.target(mesh)
-  spec = eng.EngineSpec(tree=TreeShape(3, 1, 4), capture=h.CAPTURE,
+  spec = eng.EngineSpec(tree=TreeShape(*tree), capture=h.CAPTURE,
                         sampling=sampling.SamplingParams(greedy=True, top_k=0))
   text = h.decode_program_text(mesh, tgt, h.random_drafter(tgt), spec, batch=4)
   assert "all-gather(" not in text and "all-gather-start(" not in text

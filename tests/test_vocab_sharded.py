@@ -103,6 +103,25 @@ def test_reductions_on_sharded_rows_equal_single_device():
     np.testing.assert_array_equal(np.asarray(noise), ref_gumbel)   # layout-independent draws
 
 
+def test_top_k_over_rows_sharded_on_data_gathers_no_rows():
+  """A top-k over a whole last axis (the tree's draft steps, its pool selection) with rows
+  sharded over ``data`` runs shard by shard: no all-gather, single-device values and indices
+  (ties included). The check can fail: ``jax.lax.top_k`` there all-gathers the rows."""
+  rng = np.random.default_rng(1)
+  x = rng.normal(size=(4, 3, 37)).astype(np.float32)
+  x[2, 1, [3, 9, 30]] = 5.0
+  ref_vals, ref_idx = jax.lax.top_k(jnp.asarray(x), 6)
+  with jax.set_mesh(eagle3jax.make_mesh(2, 4)):
+    xs = jax.reshard(jnp.asarray(x), P("data"))
+    text = lambda f: jax.jit(f).lower(xs).compile().as_text()  # noqa: E731
+    assert "all-gather" in text(lambda x: jax.lax.top_k(x, 6))
+    assert "all-gather" not in text(lambda x: vp.top_k(x, 6))
+    vals, idx = jax.jit(lambda x: vp.top_k(x, 6))(xs)
+  assert jax.typeof(idx).sharding.spec[0] == "data"
+  np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
+  np.testing.assert_array_equal(np.asarray(vals), np.asarray(ref_vals))
+
+
 DEEPSEEK = DeepseekConfig.tiny(vocab_size=V, num_hidden_layers=3, eos_token_ids=())
 
 
