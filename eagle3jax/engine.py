@@ -282,7 +282,13 @@ def phase_accept_commit(st: DecodeState, draft: Draft, logits, aux, tcache: KVCa
     mask_row = pick_rows(mask, best)
     path = tree_lib.path_of(mask_row, depth, w)                              # [B, W]
     new_m = jnp.where(~st.done, m + acc + 1, m)
-    tcache = _commit_cache(tcache, path, new_m)
+    if spec.tree.topk == 1:
+      # A chain's slot d holds depth d, written at lengths + d by the verify: the accepted
+      # path 0..acc is already where the commit would move it, so only the lengths change
+      # (slots past them are stale either way and are overwritten next round).
+      tcache = KVCache(tcache.k, tcache.v, new_m)
+    else:
+      tcache = _commit_cache(tcache, path, new_m)
     d = jnp.arange(w, dtype=jnp.int32)[None, :]
     after = gather_rows(tokens, jnp.concatenate([path[:, 1:], path[:, :1]], 1))
     new_tokens = jnp.where(d < acc[:, None], after, bonus[:, None])         # [B, W]

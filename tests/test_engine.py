@@ -149,3 +149,78 @@ def test_chain_fast_path_builds_the_general_trees_chain():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
   for a, b in zip(jax.tree.leaves(chain[4]), jax.tree.leaves(general[4])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def _commit_scatters(closed_jaxpr, num_layers: int) -> int:
+  """Scatters in ``closed_jaxpr`` (nested jaxprs included) whose updates cover every layer of
+  the stacked ``[L, B, S, K, H]`` cache at once: the commit's moves (a layer's own write
+  scatters ``[B, T, K, H]``)."""
+  import jax
+
+  def walk(jaxpr):
+    n = 0
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scatter":
+        upd = eqn.invars[2].aval
+        n += upd.ndim == 5 and upd.shape[0] == num_layers
+      for p in eqn.params.values():
+        for sub in (p if isinstance(p, (list, tuple)) else [p]):
+          if isinstance(sub, jax.extend.core.ClosedJaxpr):
+            n += walk(sub.jaxpr)
+          elif isinstance(sub, jax.extend.core.Jaxpr):
+            n += walk(sub)
+    return n
+  return walk(closed_jaxpr.jaxpr)
+
+
+def test_chain_commit_moves_no_cache_slots():
+  # A chain's accepted path is slots 0..acc, already at lengths + 0..acc where the verify wrote
+  # them: its commit only sets the lengths, while a tree's moves its path's K/V (one gather
+  # and scatter over all layers, for keys and for values). Outputs: the greedy tests above.
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from eagle3jax.sampling import SamplingParams
+  from eagle3jax.sharding import BATCH, SEQ, shard
+  from eagle3jax.tree import TreeShape
+  tgt = h.target()
+  dr = h.copy_drafter(tgt)
+  tokens = jnp.asarray([h.PROMPTS[0]], jnp.int32)
+  dyn = engine.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
+                       eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+  def round_(st, spec):
+    draft = engine.phase_draft(dr, st, spec)
+    logits, aux, tcache = engine.phase_verify(tgt, st, draft, spec)
+    return tcache, engine.phase_accept_commit(st, draft, logits, aux, tcache, dyn, None, spec)
+
+  counts = {}
+  with jax.set_mesh(tgt.mesh):
+    for tree in (TreeShape(4, 1, 5), TreeShape(4, 2, 6)):
+      spec = engine.EngineSpec(tree=tree, sampling=SamplingParams(greedy=True),
+                               capture=h.CAPTURE)
+      st = engine._prefill(tgt, dr, shard(tokens, (BATCH, SEQ)),
+                           shard(jnp.asarray([tokens.shape[1]], jnp.int32), (BATCH,)),
+                           shard(jnp.zeros((1, 2), jnp.uint32), (BATCH, None)), dyn, spec, 64,
+                           16)
+      counts[tree.topk] = _commit_scatters(jax.make_jaxpr(lambda s: round_(s, spec))(st),
+                                           tgt.num_layers)
+    # The chain's commit against the general one of the same path, in a round that accepted
+    # drafts: the same K/V below the new lengths.
+    spec = engine.EngineSpec(tree=TreeShape(4, 1, 5), sampling=SamplingParams(greedy=True),
+                             capture=h.CAPTURE)
+    st = engine._prefill(tgt, dr, shard(tokens, (BATCH, SEQ)),
+                         shard(jnp.asarray([tokens.shape[1]], jnp.int32), (BATCH,)),
+                         shard(jnp.zeros((1, 2), jnp.uint32), (BATCH, None)), dyn, spec, 64, 16)
+    for _ in range(12):
+      tcache, c = round_(st, spec)
+      if int(c.acc[0]) > 0:
+        break
+      st = engine._spec_round(tgt, dr, st, dyn, spec)
+    acc, w, m = int(c.acc[0]), spec.commit_width, int(st.target_cache.lengths[0])
+    path = np.where(np.arange(w) <= acc, np.arange(w), 0)[None].astype(np.int32)
+    moved = engine._commit_cache(tcache, jnp.asarray(path), c.new_m)
+  assert counts == {1: 0, 2: 2}, counts
+  assert acc > 0 and int(c.new_m[0]) == m + acc + 1
+  n = m + acc + 1
+  for got, want in ((c.target_cache.k, moved.k), (c.target_cache.v, moved.v)):
+    np.testing.assert_array_equal(np.asarray(got)[:, :, :n], np.asarray(want)[:, :, :n])
