@@ -14,14 +14,13 @@ attention; the slab is never copied out and written back whole.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from eagle3jax.sharding import (BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, current_mesh, out_spec,
-                                shard)
+from eagle3jax.sharding import (BATCH, HEAD_DIM, KV_HEADS, LAYERS, SEQ, current_mesh,
+                                devices_along, out_spec, shard)
 
 CACHE_AXES = (LAYERS, BATCH, SEQ, KV_HEADS, HEAD_DIM)
 
@@ -128,9 +127,7 @@ def update_rows(fn, buf: jax.Array, row_args: tuple, scalars: tuple = ()) -> jax
     return fn(buf, *row_args, *scalars)
   sharding = jax.typeof(buf).sharding
   spec = tuple(sharding.spec) + (None,) * (buf.ndim - len(sharding.spec))
-  rows_axes = () if spec[1] is None else spec[1] if isinstance(spec[1], tuple) else (spec[1],)
-  if (math.prod(dict(mesh.shape)[a] for a in rows_axes) == 1 or spec[0] is not None
-      or spec[2] is not None):
+  if devices_along(mesh, spec[1:2]) == 1 or spec[0] is not None or spec[2] is not None:
     return fn(buf, *row_args, *scalars, out_sharding=sharding)
   # A row argument's dims after B follow the buffer's after S: [B, T, K, H] beside [.., S, K, H].
   row_specs = tuple(P(spec[1], *((None,) + spec[3:])[:a.ndim - 1]) for a in row_args)

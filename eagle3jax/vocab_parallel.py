@@ -26,13 +26,11 @@ function is its single-device formula.
 
 from __future__ import annotations
 
-import math
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from eagle3jax.sharding import BATCH, VOCAB, shard
+from eagle3jax.sharding import BATCH, VOCAB, devices_along, shard
 
 # The nucleus bisection runs over int32 bit patterns of probabilities in [0, 1]: 1.0 is
 # 0x3F800000 < 2**30, so 31 halvings pin the threshold to one representable float.
@@ -103,8 +101,7 @@ def _row_local_top_k(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
   partitioner all-gathered a top-k's rows over ``data`` (every draft step of a tree, and its
   selection, on a data-sharded mesh)."""
   mesh, spec = _mesh(), _spec(x)
-  axes = [a for e in spec[:-1] if e is not None for a in (e if isinstance(e, tuple) else (e,))]
-  if mesh is None or math.prod(mesh.shape[a] for a in axes) == 1:
+  if mesh is None or devices_along(mesh, spec[:-1]) == 1:
     return jax.lax.top_k(x, k)
   out = P(*spec[:-1], None)
   return jax.shard_map(lambda xl: tuple(jax.lax.top_k(xl, k)), in_specs=P(*spec),

@@ -14,6 +14,7 @@ first replicates heads so that they do divide (see ``kv_head_replication``).
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import jax
@@ -104,6 +105,13 @@ def current_mesh():
   """The abstract mesh set by ``jax.set_mesh`` (inside or outside jit), or None outside one."""
   mesh = jax.sharding.get_abstract_mesh()
   return None if mesh.empty else mesh
+
+
+def devices_along(mesh, entries) -> int:
+  """How many devices the partition-spec ``entries`` (each None, a mesh axis name or a tuple of
+  names) split an array over on ``mesh``: 1 when they leave it whole."""
+  names = [a for e in entries if e is not None for a in (e if isinstance(e, tuple) else (e,))]
+  return math.prod(dict(mesh.shape)[a] for a in names)
 
 
 def shard(x: jax.Array, axes: Axes) -> jax.Array:

@@ -188,6 +188,16 @@ def test_chain_commit_moves_no_cache_slots():
   tokens = jnp.asarray([h.PROMPTS[0]], jnp.int32)
   dyn = engine.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
                        eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+  specs = {tree.topk: engine.EngineSpec(tree=tree, sampling=SamplingParams(greedy=True),
+                                        capture=h.CAPTURE)
+           for tree in (TreeShape(4, 1, 5), TreeShape(4, 2, 6))}
+
+  def prefill(spec):
+    return engine._prefill(tgt, dr, shard(tokens, (BATCH, SEQ)),
+                           shard(jnp.asarray([tokens.shape[1]], jnp.int32), (BATCH,)),
+                           shard(jnp.zeros((1, 2), jnp.uint32), (BATCH, None)), dyn, spec, 64,
+                           16)
+
   def round_(st, spec):
     draft = engine.phase_draft(dr, st, spec)
     logits, aux, tcache = engine.phase_verify(tgt, st, draft, spec)
@@ -195,22 +205,13 @@ def test_chain_commit_moves_no_cache_slots():
 
   counts = {}
   with jax.set_mesh(tgt.mesh):
-    for tree in (TreeShape(4, 1, 5), TreeShape(4, 2, 6)):
-      spec = engine.EngineSpec(tree=tree, sampling=SamplingParams(greedy=True),
-                               capture=h.CAPTURE)
-      st = engine._prefill(tgt, dr, shard(tokens, (BATCH, SEQ)),
-                           shard(jnp.asarray([tokens.shape[1]], jnp.int32), (BATCH,)),
-                           shard(jnp.zeros((1, 2), jnp.uint32), (BATCH, None)), dyn, spec, 64,
-                           16)
-      counts[tree.topk] = _commit_scatters(jax.make_jaxpr(lambda s: round_(s, spec))(st),
-                                           tgt.num_layers)
+    for topk, spec in specs.items():
+      counts[topk] = _commit_scatters(
+          jax.make_jaxpr(lambda s, spec=spec: round_(s, spec))(prefill(spec)), tgt.num_layers)
     # The chain's commit against the general one of the same path, in a round that accepted
     # drafts: the same K/V below the new lengths.
-    spec = engine.EngineSpec(tree=TreeShape(4, 1, 5), sampling=SamplingParams(greedy=True),
-                             capture=h.CAPTURE)
-    st = engine._prefill(tgt, dr, shard(tokens, (BATCH, SEQ)),
-                         shard(jnp.asarray([tokens.shape[1]], jnp.int32), (BATCH,)),
-                         shard(jnp.zeros((1, 2), jnp.uint32), (BATCH, None)), dyn, spec, 64, 16)
+    spec = specs[1]
+    st = prefill(spec)
     for _ in range(12):
       tcache, c = round_(st, spec)
       if int(c.acc[0]) > 0:
