@@ -123,6 +123,8 @@ class DemoConfig:
   draft_batch: int = 8
   ttt_steps: int = 7
   draft_intermediate_size: int = 0
+  draft_num_heads: int = 0
+  draft_head_init: str = "random"
   draft_label_temperature: float = 0.0
   draft_step_decay: float = 0.8
   heldout_every: int = 100
@@ -276,14 +278,20 @@ def drafter_train_config(cfg: DemoConfig):
                      temperature=0.0, gen_batch_size=128,
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
-                     step_decay=cfg.draft_step_decay)
+                     step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init)
 
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:
-  """The drafter's ``DrafterConfig`` fields that differ from one target layer's."""
+  """The drafter's ``DrafterConfig`` fields that differ from one target layer's: a wider MLP
+  (``draft_intermediate_size``) and more attention heads (``draft_num_heads`` query and as
+  many key/value heads, each as wide as the target's, ``hidden_size // num_heads``)."""
+  out = {}
   if cfg.draft_intermediate_size:
-    return {"intermediate_size": cfg.draft_intermediate_size}
-  return None
+    out["intermediate_size"] = cfg.draft_intermediate_size
+  if cfg.draft_num_heads:
+    out.update(num_attention_heads=cfg.draft_num_heads, num_key_value_heads=cfg.draft_num_heads,
+               head_dim=cfg.hidden_size // cfg.num_heads)
+  return out or None
 
 
 def plot_curve(curve: list[dict], path: str, title: str = "") -> None:

@@ -300,16 +300,29 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
 
 
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
-                 seed: int = 0, std: float = 0.02, d2t=None) -> Eagle3Drafter:
-  """A randomly initialised drafter for ``target`` (optionally with a draft-vocab ``d2t``)."""
+                 seed: int = 0, std: float = 0.02, d2t=None,
+                 head_init: str = "random") -> Eagle3Drafter:
+  """A randomly initialised drafter for ``target`` (optionally with a draft-vocab ``d2t``).
+
+  ``head_init="target"`` starts ``lm_head`` from the target's output embedding, restricted to
+  the draft vocabulary (row ``i`` of the draft vocabulary is target token ``i + d2t[i]``), and
+  the drafter's final norm from the target's: the drafter then starts out reading its last
+  hidden state the way the target reads its own (EAGLE-1 kept the target's head frozen; here it
+  is only the starting point). ``"random"``: N(0, std) like every other weight.
+  """
   contract.check_mesh(target, mesh)
   mesh = target.mesh
+  if head_init not in HEAD_INITS:
+    raise ValueError(f"head_init={head_init!r}; choose one of {HEAD_INITS}")
   if d2t is not None:
     check_vocab_maps(d2t, None, target.config.vocab_size, "init_drafter")
   check_pair(target, cfg)
   base = random_fill(seed, std)
+  head = _target_head(target, cfg, d2t) if head_init == "target" else {}
 
   def fill(name, shape, init):
+    if name in head:
+      return head[name]
     if name == "d2t":
       return np.zeros(shape, np.int32) if d2t is None else np.asarray(d2t, np.int32)
     if name == "t2d":
@@ -327,6 +340,24 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None
   return _attach(drafter, target, mesh)
+
+
+HEAD_INITS = ("random", "target")
+
+
+def _target_head(target, cfg: DrafterConfig, d2t) -> dict[str, np.ndarray]:
+  """The target's output embedding rows of the draft vocabulary (``[D, N]``) and final norm."""
+  if target.config.hidden_size != cfg.hidden_size:
+    raise ValueError(f"head_init='target' needs the drafter's hidden_size={cfg.hidden_size} to "
+                     f"equal the target's {target.config.hidden_size}")
+  n = cfg.draft_vocab_size
+  ids = np.arange(n) + (np.zeros(n, np.int64) if d2t is None else np.asarray(d2t, np.int64))
+  if target.config.tie_word_embeddings:
+    head = _host(target.embed_tokens[...])[ids].T
+  else:
+    head = _host(target.lm_head[...])[:, ids]
+  return {"lm_head": np.ascontiguousarray(head, np.float32),
+          "norm.weight": _host(target.norm.weight[...]).astype(np.float32)}
 
 
 def _host(x) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Drafter training: TTT mask, draft vocab, features = engine captures, falling loss, resume
 after a kill, export -> load -> lossless decode, the script's flags and errors."""
 
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -14,6 +15,7 @@ from flax import nnx
 
 import eagle3jax
 from eagle3jax import training
+from eagle3jax.layers import rms_norm
 from eagle3jax.training import ttt
 from tests import engine_helpers
 
@@ -100,6 +102,62 @@ def test_drafter_vocab_matches_init_drafter(target, data):
   with jax.set_mesh(target.mesh):
     ids = dr.to_target_ids(jnp.arange(DRAFT_VOCAB)[None])
   np.testing.assert_array_equal(np.asarray(ids)[0], vocab.target_ids)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_init_target_starts_from_the_targets_output_rows(target, data, tied):
+  _, d = data
+  if tied:
+    target = eagle3jax.init_target(dataclasses.replace(engine_helpers.CFG,
+                                                       tie_word_embeddings=True),
+                                   mesh=target.mesh, seed=0, std=0.5)
+  vocab = training.build_draft_vocab(d.responses(), target.config.vocab_size, DRAFT_VOCAB)
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, CAPTURE,
+                                            draft_vocab_size=DRAFT_VOCAB)
+  dr = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t, head_init="target")
+  out = (np.asarray(target.embed_tokens[...]).T if tied else np.asarray(target.lm_head[...]))
+  np.testing.assert_array_equal(np.asarray(dr.lm_head[...]), out[:, vocab.target_ids])
+  np.testing.assert_array_equal(np.asarray(dr.norm.weight[...]),
+                                np.asarray(target.norm.weight[...]))
+  # The rest is the seeded random initialisation, as with head_init="random".
+  plain = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t)
+  np.testing.assert_array_equal(np.asarray(dr.fc[...]), np.asarray(plain.fc[...]))
+  assert not np.array_equal(np.asarray(plain.lm_head[...]), np.asarray(dr.lm_head[...]))
+  # A drafter whose final hidden state is the target's scores the draft vocabulary as the
+  # target scores those tokens.
+  with jax.set_mesh(target.mesh):
+    h = jax.random.normal(jax.random.key(0), (1, 3, target.config.hidden_size))
+    ours = dr.logits(h)
+    theirs = target.lm_logits(rms_norm(h, target.norm.weight[...], target.config.rms_norm_eps))
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs)[..., vocab.target_ids],
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_head_init_is_checked_and_reaches_the_drafter(target, data, tmp_path, monkeypatch):
+  with pytest.raises(ValueError, match="head_init='zeros'"):
+    training.TrainConfig(head_init="zeros")
+  _, d = data
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, CAPTURE,
+                                            draft_vocab_size=DRAFT_VOCAB)
+  with pytest.raises(ValueError, match="head_init='zeros'; choose one of"):
+    eagle3jax.init_drafter(dcfg, target=target, head_init="zeros")
+  seen = {}
+
+  class Stop(Exception):
+    pass
+
+  def fake_init(*args, head_init="random", **kwargs):
+    seen["head_init"] = head_init
+    raise Stop
+
+  from eagle3jax.training import trainer as trainer_mod
+  monkeypatch.setattr(trainer_mod, "init_drafter", fake_init)
+  prompts, _ = data
+  with pytest.raises(Stop):
+    training.train_drafter(target, prompts, str(tmp_path / "out"),
+                           dataclasses.replace(CFG, head_init="target"), capture=CAPTURE,
+                           checkpoint_dir=str(tmp_path / "state"), progress=False)
+  assert seen == {"head_init": "target"}
 
 
 def test_drafter_layer_step0_equals_drafter_call(target, data):

@@ -83,6 +83,9 @@ class TrainConfig:
     max_new_tokens: response length when the target regenerates the data.
     temperature: sampling temperature of that regeneration (0: greedy).
     gen_batch_size: prompts per ``generate`` call during regeneration.
+    head_init: the drafter's ``lm_head`` and final norm at step 0: ``"random"`` or
+      ``"target"`` (the target's output embedding rows of the draft vocabulary and its final
+      norm; ``init_drafter``).
   """
   learning_rate: float = 1e-4
   warmup_steps: int = 100
@@ -104,6 +107,7 @@ class TrainConfig:
   max_new_tokens: int = 512
   temperature: float = 0.0
   gen_batch_size: int = 32
+  head_init: str = "random"
 
   def __post_init__(self):
     positive = ("warmup_steps", "total_steps", "batch_size", "seq_len", "ttt_steps",
@@ -126,6 +130,8 @@ class TrainConfig:
     for name in ("final_lr_fraction", "step_decay"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be in [0, 1]")
+    if self.head_init not in ("random", "target"):
+      raise ValueError(f"TrainConfig.head_init={self.head_init!r}; choose 'random' or 'target'")
     if not 0 <= self.label_temperature < float("inf"):
       raise ValueError(f"TrainConfig.label_temperature={self.label_temperature!r} must be a "
                        "finite number >= 0 (1: soft labels, 0: the target's top token)")
@@ -200,7 +206,7 @@ def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features
 # them (checkpointing, data generation, seed) share one compilation.
 _NOT_IN_STEP = dict(checkpoint_every=1, keep_checkpoints=1, seed=0, draft_vocab_size=None,
                     max_new_tokens=1, temperature=0.0, gen_batch_size=1, batch_size=1,
-                    seq_len=3)
+                    seq_len=3, head_init="random")
 
 
 def step_config(cfg: TrainConfig) -> TrainConfig:
@@ -477,7 +483,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
           f"{vocab.coverage:.4f}")
   dcfg = DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
                                   **(drafter_overrides or {}))
-  drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t)
+  drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t,
+                         head_init=config.head_init)
   trainer = Trainer(target, drafter, data, config,
                     checkpoint_dir=os.path.join(checkpoint_dir, "steps"))
   curve, t0 = [], time.perf_counter()
