@@ -299,6 +299,10 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
   return explanation + "; " + contract.judge_probe(scores, readings, chosen, where=where)
 
 
+# How ``init_drafter`` starts the draft head: seeded random, or the target's (``_target_head``).
+HEAD_INITS = ("random", "target")
+
+
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
                  seed: int = 0, std: float = 0.02, d2t=None,
                  head_init: str = "random") -> Eagle3Drafter:
@@ -340,9 +344,6 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None
   return _attach(drafter, target, mesh)
-
-
-HEAD_INITS = ("random", "target")
 
 
 def _target_head(target, cfg: DrafterConfig, d2t) -> dict[str, np.ndarray]:

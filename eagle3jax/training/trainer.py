@@ -43,7 +43,7 @@ from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
-from eagle3jax.drafter_io import init_drafter, save_drafter
+from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      build_training_data, next_batch, target_features)
@@ -130,8 +130,8 @@ class TrainConfig:
     for name in ("final_lr_fraction", "step_decay"):
       if not 0 <= getattr(self, name) <= 1:
         raise ValueError(f"TrainConfig.{name}={getattr(self, name)!r} must be in [0, 1]")
-    if self.head_init not in ("random", "target"):
-      raise ValueError(f"TrainConfig.head_init={self.head_init!r}; choose 'random' or 'target'")
+    if self.head_init not in HEAD_INITS:
+      raise ValueError(f"TrainConfig.head_init={self.head_init!r}; choose one of {HEAD_INITS}")
     if not 0 <= self.label_temperature < float("inf"):
       raise ValueError(f"TrainConfig.label_temperature={self.label_temperature!r} must be a "
                        "finite number >= 0 (1: soft labels, 0: the target's top token)")
