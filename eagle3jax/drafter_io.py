@@ -322,7 +322,10 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
     check_vocab_maps(d2t, None, target.config.vocab_size, "init_drafter")
   check_pair(target, cfg)
   base = random_fill(seed, std)
-  head = _target_head(target, cfg, d2t) if head_init == "target" else {}
+  # Target token of each draft-vocabulary row (the identity without a d2t).
+  target_ids = (np.arange(cfg.draft_vocab_size) if d2t is None
+                else np.arange(len(d2t)) + np.asarray(d2t, np.int64))
+  head = _target_head(target, cfg, target_ids) if head_init == "target" else {}
 
   def fill(name, shape, init):
     if name in head:
@@ -333,7 +336,7 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
       if d2t is None:
         return np.ones(shape, bool)
       mask = np.zeros(shape, bool)
-      mask[np.arange(len(d2t)) + np.asarray(d2t)] = True
+      mask[target_ids] = True
       return mask
     return base(name, shape, init)
 
@@ -346,13 +349,11 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   return _attach(drafter, target, mesh)
 
 
-def _target_head(target, cfg: DrafterConfig, d2t) -> dict[str, np.ndarray]:
-  """The target's output embedding rows of the draft vocabulary (``[D, N]``) and final norm."""
+def _target_head(target, cfg: DrafterConfig, ids: np.ndarray) -> dict[str, np.ndarray]:
+  """The target's output embedding rows ``ids`` (``[D, N]``) and its final norm."""
   if target.config.hidden_size != cfg.hidden_size:
     raise ValueError(f"head_init='target' needs the drafter's hidden_size={cfg.hidden_size} to "
                      f"equal the target's {target.config.hidden_size}")
-  n = cfg.draft_vocab_size
-  ids = np.arange(n) + (np.zeros(n, np.int64) if d2t is None else np.asarray(d2t, np.int64))
   if target.config.tie_word_embeddings:
     head = _host(target.embed_tokens[...])[ids].T
   else:
