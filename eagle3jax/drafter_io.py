@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from eagle3jax import capture_contract as contract
+from eagle3jax import vocab_parallel
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
 from eagle3jax.distributed import barrier, is_main_process, to_host
@@ -354,11 +355,14 @@ def _target_head(target, cfg: DrafterConfig, ids: np.ndarray) -> dict[str, np.nd
   if target.config.hidden_size != cfg.hidden_size:
     raise ValueError(f"head_init='target' needs the drafter's hidden_size={cfg.hidden_size} to "
                      f"equal the target's {target.config.hidden_size}")
-  if target.config.tie_word_embeddings:
-    head = _host(target.embed_tokens[...])[ids].T
-  else:
-    head = _host(target.lm_head[...])[:, ids]
-  return {"lm_head": np.ascontiguousarray(head, np.float32),
+  # The rows are taken on the devices (vocab-parallel where the table is sharded), so only
+  # the [D, N] head reaches the host, not the whole [V, D] table (4.7 GB for Kimi-K2.5).
+  table = (target.embed_tokens[...] if target.config.tie_word_embeddings
+           else target.lm_head[...])
+  with jax.set_mesh(target.mesh):
+    cols = table.T if target.config.tie_word_embeddings else table
+    head = jax.jit(vocab_parallel.take_columns)(cols, jnp.asarray(ids, jnp.int32))
+  return {"lm_head": np.ascontiguousarray(_host(head), np.float32),
           "norm.weight": _host(target.norm.weight[...]).astype(np.float32)}
 
 

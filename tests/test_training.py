@@ -104,17 +104,30 @@ def test_drafter_vocab_matches_init_drafter(target, data):
   np.testing.assert_array_equal(np.asarray(ids)[0], vocab.target_ids)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_head_init_target_starts_from_the_targets_output_rows(target, data, tied):
+@pytest.mark.parametrize("tied,tensor", [(False, 1), (True, 1), (False, 2), (True, 2)])
+def test_head_init_target_starts_from_the_targets_output_rows(target, data, tied, tensor,
+                                                              monkeypatch):
+  # tensor=2: the output embedding is vocabulary-sharded (an even vocabulary) and its rows are
+  # taken on the devices.
   _, d = data
-  if tied:
-    target = eagle3jax.init_target(dataclasses.replace(engine_helpers.CFG,
-                                                       tie_word_embeddings=True),
-                                   mesh=target.mesh, seed=0, std=0.5)
+  if tied or tensor > 1:
+    mesh = target.mesh if tensor == 1 else eagle3jax.make_mesh(1, tensor)
+    cfg = dataclasses.replace(engine_helpers.CFG, tie_word_embeddings=tied,
+                              vocab_size=engine_helpers.CFG.vocab_size + (tensor > 1))
+    target = eagle3jax.init_target(cfg, mesh=mesh, seed=0, std=0.5)
+    table = target.embed_tokens[...] if tied else target.lm_head[...]
+    assert "tensor" in jax.typeof(table).sharding.spec or tensor == 1
   vocab = training.build_draft_vocab(d.responses(), target.config.vocab_size, DRAFT_VOCAB)
   dcfg = eagle3jax.DrafterConfig.for_target(target.config, CAPTURE,
                                             draft_vocab_size=DRAFT_VOCAB)
+  from eagle3jax import drafter_io
+  copied = []  # what reaches the host: the [D, N] head and the norm, never the [V, D] table
+  host = drafter_io._host
+  monkeypatch.setattr(drafter_io, "_host", lambda x: copied.append(x.shape) or host(x))
   dr = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t, head_init="target")
+  monkeypatch.undo()
+  assert sorted(copied) == [(target.config.hidden_size,),
+                            (target.config.hidden_size, DRAFT_VOCAB)], copied
   out = (np.asarray(target.embed_tokens[...]).T if tied else np.asarray(target.lm_head[...]))
   np.testing.assert_array_equal(np.asarray(dr.lm_head[...]), out[:, vocab.target_ids])
   np.testing.assert_array_equal(np.asarray(dr.norm.weight[...]),
