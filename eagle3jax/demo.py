@@ -124,6 +124,7 @@ class DemoConfig:
   ttt_steps: int = 7
   draft_intermediate_size: int = 0
   draft_num_heads: int = 0
+  draft_head_dim: int = 0
   draft_head_init: str = "random"
   draft_label_temperature: float = 0.0
   draft_step_decay: float = 0.8
@@ -283,14 +284,16 @@ def drafter_train_config(cfg: DemoConfig):
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:
   """The drafter's ``DrafterConfig`` fields that differ from one target layer's: a wider MLP
-  (``draft_intermediate_size``) and more attention heads (``draft_num_heads`` query and as
-  many key/value heads, each as wide as the target's, ``hidden_size // num_heads``)."""
+  (``draft_intermediate_size``), more attention heads (``draft_num_heads`` query and as many
+  key/value heads) and their width (``draft_head_dim``; 0 keeps the target's,
+  ``hidden_size // num_heads``)."""
   out = {}
   if cfg.draft_intermediate_size:
     out["intermediate_size"] = cfg.draft_intermediate_size
   if cfg.draft_num_heads:
-    out.update(num_attention_heads=cfg.draft_num_heads, num_key_value_heads=cfg.draft_num_heads,
-               head_dim=cfg.hidden_size // cfg.num_heads)
+    out.update(num_attention_heads=cfg.draft_num_heads, num_key_value_heads=cfg.draft_num_heads)
+  if cfg.draft_num_heads or cfg.draft_head_dim:
+    out["head_dim"] = cfg.draft_head_dim or cfg.hidden_size // cfg.num_heads
   return out or None
 
 

@@ -1,6 +1,8 @@
 """The pieces of the embedded demo: HF export, target pre-training, corpus manifest,
 tokenizer."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -69,3 +71,17 @@ def test_drafter_train_config_carries_the_demo_recipe():
   assert (t.label_temperature, t.step_decay, t.seq_len) == (0.5, 1.0, 48)
   assert (t.draft_vocab_size, t.max_new_tokens, t.temperature, t.seed) == (512, 32, 0.0, 3)
   assert demo.drafter_train_config(demo.DemoConfig()).step_decay == 0.8
+
+
+def test_drafter_overrides_carry_the_demo_drafter_shape():
+  # The drafter's shape flags reach its DrafterConfig overrides; the defaults override nothing
+  # (the drafter is one target layer).
+  assert demo.drafter_overrides(demo.DemoConfig()) is None
+  d = demo.DemoConfig()
+  assert demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=8)) == {
+      "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": d.hidden_size // d.num_heads}
+  assert demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=8, draft_head_dim=32,
+                                                    draft_intermediate_size=1408)) == {
+      "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32,
+      "intermediate_size": 1408}
+  assert demo.drafter_overrides(dataclasses.replace(d, draft_head_dim=32)) == {"head_dim": 32}
