@@ -185,10 +185,41 @@ HELDOUT = dict(n=8, length=48, seed=1234)
 HELDOUT_NEW_TOKENS = 128
 
 
-def heldout_prompts(out_dir: str, tok) -> list[list[int]]:
+def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
+                    seed: int = HELDOUT["seed"]) -> list[list[int]]:
+  """``n`` prompts of the held-out files (the default: the 8 the curves and records use)."""
   with open(os.path.join(out_dir, "manifest.json")) as f:
     manifest = json.load(f)
-  return prompts_from(tok, read_files(manifest["heldout"]), **HELDOUT)
+  return prompts_from(tok, read_files(manifest["heldout"]), n, HELDOUT["length"], seed)
+
+
+def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
+                     seed: int = 99, shapes=((7, 1, 8), (5, 4, 8)), max_new_tokens: int = 128,
+                     batch_size: int = 8, log=print) -> dict[str, dict[str, float]]:
+  """Greedy acceptance length per tree shape of each drafter for ``out_dir/target`` on
+  ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample than the 8 prompts of
+  the learning curves, whose noise (about 0.1 at (7, 1, 8)) hides small differences.
+  Returns ``{drafter_dir: {"steps,topk,tokens": length}}``."""
+  import jax.numpy as jnp
+  import eagle3jax
+  from eagle3jax import monitor
+  from eagle3jax.stack import default_layer_loop
+  from eagle3jax.text import TextCodec
+  if num_prompts < 1 or not drafter_dirs:
+    raise ValueError(f"compare_drafters needs num_prompts >= 1 (got {num_prompts}) and at "
+                     "least one drafter folder")
+  target_dir = os.path.join(out_dir, "target")
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
+                                 layer_loop=default_layer_loop())
+  prompts = heldout_prompts(out_dir, TextCodec(target_dir).tokenizer, num_prompts, seed)
+  out = {}
+  for d in drafter_dirs:
+    drafter = eagle3jax.load_drafter(d, target=target)
+    out[d] = monitor.measure_acceptance(target, drafter, prompts, tuple(shapes),
+                                        max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                        eos_ids=[])
+    log(f"{d}: {out[d]}")
+  return out
 
 
 def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),

@@ -131,3 +131,39 @@ def test_training_benchmark_times_both_losses_on_one_batch(tmp_path, capsys):
     assert json.load(f)["ratio"] == result["ratio"]
   with pytest.raises(ValueError, match="batch=9"):
     train_step_times(DEFAULT_TARGET, batch=9)
+
+
+def _script(name):
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                      f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_path, capsys,
+                                                                         monkeypatch):
+  # scripts/compare_drafters.py, shortened: its numbers are monitor.measure_acceptance's on
+  # the held-out prompts drawn with its seed; bad shapes get a one-line error.
+  import sys
+  from eagle3jax import demo, monitor
+  mod = _script("compare_drafters")
+  out = tmp_path / "cmp.json"
+  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--prompts", "2",
+                                    "--shapes", "2,1,3", "--max-new-tokens", "8",
+                                    "--json", str(out)])
+  assert mod.main() == 0
+  assert "| (2, 1, 3) |" in capsys.readouterr().out
+  got = json.loads(out.read_text())["acceptance"][DEFAULT_DRAFTER]
+  target = eagle3jax.load_target(DEFAULT_TARGET, dtype=jnp.float32)
+  drafter = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=target)
+  prompts = demo.heldout_prompts(ROOT, TextCodec(DEFAULT_TARGET).tokenizer, 2, 99)
+  assert prompts != demo.heldout_prompts(ROOT, TextCodec(DEFAULT_TARGET).tokenizer)[:2]
+  assert got == monitor.measure_acceptance(target, drafter, prompts, ((2, 1, 3),),
+                                           max_new_tokens=8, eos_ids=[])
+  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--shapes", "7,1"])
+  assert mod.main() == 2
+  err = capsys.readouterr().err
+  assert "expected 'steps,topk,tokens" in err and len(err.strip().splitlines()) == 1

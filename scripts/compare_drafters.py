@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""Greedy acceptance length of several drafters for one demo target, on more held-out prompts
+than the 8 of the learning curves (default 64, drawn with another seed): prints a Markdown
+table, and with --json the numbers."""
+
+import argparse
+import json
+import sys
+
+from eagle3jax.demo import DEFAULT_DIR, compare_drafters
+
+
+def main() -> int:
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("drafters", nargs="+", help="drafter folders (EAGLE-3 layout)")
+  p.add_argument("--demo-dir", default=DEFAULT_DIR,
+                 help="folder with target/ and manifest.json (held-out files)")
+  p.add_argument("--prompts", type=int, default=64, help="held-out prompts")
+  p.add_argument("--seed", type=int, default=99, help="which held-out prompts are drawn")
+  p.add_argument("--shapes", default="7,1,8;5,4,8",
+                 help="tree shapes 'steps,topk,tokens', separated by ';'")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+  p.add_argument("--json", default=None, help="also write the numbers to this file")
+  args = p.parse_args()
+  try:
+    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
+    if not shapes or any(len(s) != 3 for s in shapes):
+      raise ValueError(f"--shapes {args.shapes!r}: expected 'steps,topk,tokens;...'")
+    result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,
+                              seed=args.seed, shapes=shapes,
+                              max_new_tokens=args.max_new_tokens, batch_size=args.batch,
+                              log=lambda m: print(m, file=sys.stderr, flush=True))
+  except (ValueError, OSError) as e:
+    print(f"compare_drafters.py: error: {e}", file=sys.stderr)
+    return 2
+  keys = [f"{s[0]},{s[1]},{s[2]}" for s in shapes]
+  print(f"{args.prompts} held-out prompts (seed {args.seed}), {args.max_new_tokens} new "
+        "tokens, greedy\n")
+  print("| drafter | " + " | ".join(f"({k.replace(',', ', ')})" for k in keys) + " |")
+  print("|---|" + "---|" * len(keys))
+  for d, acc in result.items():
+    print(f"| {d} | " + " | ".join(f"{acc[k]:.2f}" for k in keys) + " |")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"prompts": args.prompts, "seed": args.seed,
+                 "max_new_tokens": args.max_new_tokens, "acceptance": result}, f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
