@@ -193,6 +193,19 @@ def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
   return prompts_from(tok, read_files(manifest["heldout"]), n, HELDOUT["length"], seed)
 
 
+def _load_demo_target(out_dir: str):
+  """``(target, tokenizer)`` of ``out_dir/target`` as the demo trains and measures on it:
+  float32, the default layer loop."""
+  import jax.numpy as jnp
+  import eagle3jax
+  from eagle3jax.stack import default_layer_loop
+  from eagle3jax.text import TextCodec
+  target_dir = os.path.join(out_dir, "target")
+  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
+                                 layer_loop=default_layer_loop())
+  return target, TextCodec(target_dir).tokenizer
+
+
 def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                      seed: int = 99, shapes=((7, 1, 8), (5, 4, 8)), max_new_tokens: int = 128,
                      batch_size: int = 8, log=print) -> dict[str, dict[str, float]]:
@@ -200,18 +213,13 @@ def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int 
   ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample than the 8 prompts of
   the learning curves, which were off the 64-prompt figure by up to 0.17 at (7, 1, 8).
   Returns ``{drafter_dir: {"steps,topk,tokens": length}}``."""
-  import jax.numpy as jnp
   import eagle3jax
   from eagle3jax import monitor
-  from eagle3jax.stack import default_layer_loop
-  from eagle3jax.text import TextCodec
   if num_prompts < 1 or batch_size < 1 or not drafter_dirs:
     raise ValueError(f"compare_drafters needs num_prompts >= 1 (got {num_prompts}), "
                      f"batch_size >= 1 (got {batch_size}) and at least one drafter folder")
-  target_dir = os.path.join(out_dir, "target")
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
-                                 layer_loop=default_layer_loop())
-  prompts = heldout_prompts(out_dir, TextCodec(target_dir).tokenizer, num_prompts, seed)
+  target, tok = _load_demo_target(out_dir)
+  prompts = heldout_prompts(out_dir, tok, num_prompts, seed)
   out = {}
   for d in drafter_dirs:
     drafter = eagle3jax.load_drafter(d, target=target)
@@ -227,17 +235,11 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   """Writes ``out_dir/drafter`` again, without retraining: with the target's embedding, the
   capture record (calibration ids: the first training prompt) and the held-out greedy
   acceptance per tree shape (batch 1, as the benchmark). Returns that acceptance."""
-  import jax.numpy as jnp
   import eagle3jax
-  from eagle3jax.stack import default_layer_loop
   from eagle3jax import monitor
-  from eagle3jax.text import TextCodec
 
-  target_dir = os.path.join(out_dir, "target")
   drafter_dir = os.path.join(out_dir, "drafter")
-  tok = TextCodec(target_dir).tokenizer
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
-                                 layer_loop=default_layer_loop())
+  target, tok = _load_demo_target(out_dir)
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
   with open(os.path.join(out_dir, "manifest.json")) as f:
     train_texts = read_files(json.load(f)["train"])
@@ -262,20 +264,13 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   length at (7, 1, 8) every ``cfg.heldout_every`` steps (``plot_curve`` draws it).
   """
   import tempfile
-  import jax.numpy as jnp
-  import eagle3jax
-  from eagle3jax.stack import default_layer_loop
-  from eagle3jax.text import TextCodec
   from eagle3jax.training import train_drafter
 
-  target_dir = os.path.join(out_dir, "target")
   drafter_dir = os.path.join(out_dir, "drafter")
   with open(os.path.join(out_dir, "manifest.json")) as f:
     manifest = json.load(f)
   train_texts = read_files(manifest["train"])
-  tok = TextCodec(target_dir).tokenizer
-  target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
-                                 layer_loop=default_layer_loop())
+  target, tok = _load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)
   t0 = time.perf_counter()
