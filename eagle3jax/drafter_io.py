@@ -360,10 +360,18 @@ def _target_head(target, cfg: DrafterConfig, ids: np.ndarray) -> dict[str, np.nd
   table = (target.embed_tokens[...] if target.config.tie_word_embeddings
            else target.lm_head[...])
   with jax.set_mesh(target.mesh):
-    cols = table.T if target.config.tie_word_embeddings else table
-    head = jax.jit(vocab_parallel.take_columns)(cols, jnp.asarray(ids, jnp.int32))
+    head = _head_columns(table, jnp.asarray(ids, jnp.int32),
+                         tied=target.config.tie_word_embeddings)
   return {"lm_head": np.ascontiguousarray(_host(head), np.float32),
           "norm.weight": _host(target.norm.weight[...]).astype(np.float32)}
+
+
+@functools.partial(jax.jit, static_argnames=("tied",))
+def _head_columns(table: jax.Array, ids: jax.Array, *, tied: bool) -> jax.Array:
+  """``[D, N]``: columns ``ids`` of the output embedding. The tied ``[V, D]`` table is
+  transposed inside this program, where XLA fuses the transpose into the gather (on a CPU mesh
+  the compiled temporaries are a tenth of one shard), not beside it as an eager copy."""
+  return vocab_parallel.take_columns(table.T if tied else table, ids)
 
 
 def _host(x) -> np.ndarray:
