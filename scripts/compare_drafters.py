@@ -7,7 +7,19 @@ import argparse
 import json
 import sys
 
+from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+  """'7,1,8;5,4,8' -> [(7, 1, 8), (5, 4, 8)]."""
+  try:
+    shapes = [tuple(int(x) for x in s.split(",")) for s in text.split(";") if s.strip()]
+  except ValueError:
+    shapes = []
+  if not shapes or any(len(s) != 3 for s in shapes):
+    raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)")
+  return shapes
 
 
 def main() -> int:
@@ -24,9 +36,7 @@ def main() -> int:
   p.add_argument("--json", default=None, help="also write the numbers to this file")
   args = p.parse_args()
   try:
-    shapes = [tuple(int(x) for x in s.split(",")) for s in args.shapes.split(";") if s]
-    if not shapes or any(len(s) != 3 for s in shapes):
-      raise ValueError(f"--shapes {args.shapes!r}: expected 'steps,topk,tokens;...'")
+    shapes = _parse_shapes(args.shapes)
     result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,
                               seed=args.seed, shapes=shapes,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch,
@@ -34,7 +44,7 @@ def main() -> int:
   except (ValueError, OSError) as e:
     print(f"compare_drafters.py: error: {e}", file=sys.stderr)
     return 2
-  keys = [f"{s[0]},{s[1]},{s[2]}" for s in shapes]
+  keys = [tree_key(*s) for s in shapes]
   print(f"{args.prompts} held-out prompts (seed {args.seed}), {args.max_new_tokens} new "
         "tokens, greedy\n")
   print("| drafter | " + " | ".join(f"({k.replace(',', ', ')})" for k in keys) + " |")

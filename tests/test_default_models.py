@@ -167,6 +167,10 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   assert mod.main() == 2
   err = capsys.readouterr().err
   assert "expected 'steps,topk,tokens" in err and len(err.strip().splitlines()) == 1
+  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--shapes", "7,x,8"])
+  assert mod.main() == 2
+  err = capsys.readouterr().err
+  assert "expected 'steps,topk,tokens" in err and len(err.strip().splitlines()) == 1
   monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--batch", "0"])
   assert mod.main() == 2
   err = capsys.readouterr().err
