@@ -230,6 +230,31 @@ def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int 
   return out
 
 
+def drafter_misses(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
+                   seed: int = 99, response_len: int = 128, batch_size: int = 16,
+                   log=print) -> dict:
+  """``training.miss_breakdown`` of each drafter on ``num_prompts`` held-out prompts (drawn
+  with ``seed``, as ``compare_drafters``) continued greedily by ``out_dir/target`` for
+  ``response_len`` tokens. Returns ``{drafter_dir: MissBreakdown}``."""
+  import eagle3jax
+  from eagle3jax.training import miss_breakdown, pack, regenerate
+  if num_prompts < 1 or response_len < 1 or not drafter_dirs:
+    raise ValueError(f"drafter_misses needs num_prompts >= 1 (got {num_prompts}), "
+                     f"response_len >= 1 (got {response_len}) and at least one drafter folder")
+  target, tok = _load_demo_target(out_dir)
+  prompts = heldout_prompts(out_dir, tok, num_prompts, seed)
+  responses = regenerate(target, prompts, max_new_tokens=response_len, batch_size=64,
+                         eos_ids=[])
+  data = pack(prompts, responses, HELDOUT["length"] + response_len)
+  out = {}
+  for d in drafter_dirs:
+    drafter = eagle3jax.load_drafter(d, target=target)
+    out[d] = miss_breakdown(target, drafter, data.tokens, data.loss_mask,
+                            batch_size=batch_size)
+    log(f"{d}: step-0 accuracy {out[d].accuracy:.3f} over {out[d].positions} positions")
+  return out
+
+
 def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
                      log=print) -> dict:
   """Writes ``out_dir/drafter`` again, without retraining: with the target's embedding, the

@@ -1,14 +1,16 @@
 #!/usr/bin/env python3
 """Greedy acceptance length of several drafters for one demo target, on more held-out prompts
 than the 8 of the learning curves (default 64, drawn with another seed): prints a Markdown
-table, and with --json the numbers."""
+table, and with --json the numbers. With --misses, also where each drafter misses the target's
+token (training.miss_breakdown): per-step accuracy, and step 0's by the target's top-1 minus
+top-2 logit gap and by position in the response."""
 
 import argparse
 import json
 import sys
 
 from eagle3jax.capture_contract import tree_key
-from eagle3jax.demo import DEFAULT_DIR, compare_drafters
+from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -22,6 +24,24 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
   return shapes
 
 
+def log(message: str) -> None:
+  print(message, file=sys.stderr, flush=True)
+
+
+def _print_misses(drafter: str, b) -> None:
+  steps = ", ".join(f"{a:.3f}" for a in b.step_accuracy)
+  print(f"\n{drafter}: teacher-forced accuracy of steps 0..{len(b.step_accuracy) - 1}: "
+        f"{steps}; step 0 over {b.positions} response positions: {b.accuracy:.3f}\n")
+  for title, bins, unit in (("target's top-1 minus top-2 logit", b.by_gap, "nats"),
+                            ("position in the response", b.by_position, "tokens")):
+    print(f"| {title} ({unit}) | share of positions | step-0 accuracy | share of misses |")
+    print("|---|---|---|---|")
+    for x in bins:
+      print(f"| [{x.low:g}, {x.high:g}) | {x.fraction:.3f} | {x.accuracy:.3f} | "
+            f"{x.miss_share:.3f} |")
+    print()
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("drafters", nargs="+", help="drafter folders (EAGLE-3 layout)")
@@ -33,6 +53,9 @@ def main() -> int:
                  help="tree shapes 'steps,topk,tokens', separated by ';'")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+  p.add_argument("--misses", action="store_true",
+                 help="also break each drafter's misses down by the target's logit gap and by "
+                      "position in the response (on the same prompts' greedy responses)")
   p.add_argument("--json", default=None, help="also write the numbers to this file")
   args = p.parse_args()
   try:
@@ -40,7 +63,10 @@ def main() -> int:
     result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,
                               seed=args.seed, shapes=shapes,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                              log=lambda m: print(m, file=sys.stderr, flush=True))
+                              log=log)
+    misses = drafter_misses(args.demo_dir, args.drafters, num_prompts=args.prompts,
+                            seed=args.seed, response_len=args.max_new_tokens,
+                            log=log) if args.misses else {}
   except (ValueError, OSError) as e:
     print(f"compare_drafters.py: error: {e}", file=sys.stderr)
     return 2
@@ -51,10 +77,15 @@ def main() -> int:
   print("|---|" + "---|" * len(keys))
   for d, acc in result.items():
     print(f"| {d} | " + " | ".join(f"{acc[k]:.2f}" for k in keys) + " |")
+  for d, b in misses.items():
+    _print_misses(d, b)
   if args.json:
+    out = {"prompts": args.prompts, "seed": args.seed, "max_new_tokens": args.max_new_tokens,
+           "acceptance": result}
+    if misses:
+      out["misses"] = {d: b.to_dict() for d, b in misses.items()}
     with open(args.json, "w") as f:
-      json.dump({"prompts": args.prompts, "seed": args.seed,
-                 "max_new_tokens": args.max_new_tokens, "acceptance": result}, f, indent=1)
+      json.dump(out, f, indent=1)
   return 0
 
 

@@ -12,6 +12,7 @@ import transformers
 import eagle3jax
 from eagle3jax.decode_cli import DEFAULT_DRAFTER, DEFAULT_TARGET
 from eagle3jax.text import TextCodec
+from tests.script_loader import load_script
 
 ROOT = os.path.dirname(DEFAULT_TARGET)
 
@@ -133,30 +134,30 @@ def test_training_benchmark_times_both_losses_on_one_batch(tmp_path, capsys):
     train_step_times(DEFAULT_TARGET, batch=9)
 
 
-def _script(name):
-  import importlib.util
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      f"{name}.py")
-  spec = importlib.util.spec_from_file_location(name, path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
-
-
 def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_path, capsys,
                                                                          monkeypatch):
   # scripts/compare_drafters.py, shortened: its numbers are monitor.measure_acceptance's on
   # the held-out prompts drawn with its seed; bad shapes get a one-line error.
   import sys
   from eagle3jax import demo, monitor
-  mod = _script("compare_drafters")
+  mod = load_script("compare_drafters")
   out = tmp_path / "cmp.json"
   monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--prompts", "2",
                                     "--shapes", "2,1,3", "--max-new-tokens", "8",
-                                    "--json", str(out)])
+                                    "--misses", "--json", str(out)])
   assert mod.main() == 0
-  assert "| (2, 1, 3) |" in capsys.readouterr().out
-  got = json.loads(out.read_text())["acceptance"][DEFAULT_DRAFTER]
+  printed = capsys.readouterr().out
+  assert "| (2, 1, 3) |" in printed
+  assert "| target's top-1 minus top-2 logit (nats) |" in printed
+  assert "| [2, inf) |" in printed and "| [64, inf) |" in printed
+  written = json.loads(out.read_text())
+  got = written["acceptance"][DEFAULT_DRAFTER]
+  # --misses: the shipped drafter against the same prompts' 8-token greedy responses.
+  misses = written["misses"][DEFAULT_DRAFTER]
+  assert misses["positions"] == 2 * 8 and len(misses["step_accuracy"]) == 7
+  assert misses["accuracy"] == pytest.approx(misses["step_accuracy"][0])
+  assert sum(b["fraction"] for b in misses["by_gap"]) == pytest.approx(1.0)
+  assert [b["fraction"] for b in misses["by_position"]] == [1.0, 0.0, 0.0, 0.0]
   target = eagle3jax.load_target(DEFAULT_TARGET, dtype=jnp.float32)
   drafter = eagle3jax.load_drafter(DEFAULT_DRAFTER, target=target)
   prompts = demo.heldout_prompts(ROOT, TextCodec(DEFAULT_TARGET).tokenizer, 2, 99)

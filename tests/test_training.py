@@ -3,8 +3,9 @@ after a kill, export -> load -> lossless decode, the script's flags and errors."
 
 import dataclasses
 import functools
-import importlib.util
+import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +19,7 @@ from eagle3jax import training
 from eagle3jax.layers import rms_norm
 from eagle3jax.training import ttt
 from tests import engine_helpers
+from tests.script_loader import load_script
 
 CAPTURE = eagle3jax.CaptureSpec((1, 3, 6))
 SEQ_LEN = 32
@@ -423,11 +425,7 @@ def test_export_load_decode_is_lossless(target, data, tmp_path):
 
 
 def _script():
-  path = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_drafter.py")
-  spec = importlib.util.spec_from_file_location("train_drafter_script", path)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
+  return load_script("train_drafter")
 
 
 def test_script_help_documents_every_flag(capsys):
@@ -482,3 +480,70 @@ def test_script_errors_are_one_line(argv, message, capsys):
   err = capsys.readouterr().err
   assert message in err
   assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_miss_breakdown_equals_a_recount_from_the_serving_calls(mesh):
+  # engine_helpers' copy drafter (it proposes the token two back, which random tiny targets
+  # often repeat) hits some tokens and misses others. Every count must equal one made here from
+  # eagle3jax.forward's full logits and the drafter's own serving call; the step-0 accuracy
+  # must equal ttt_loss's; 5 rows in batches of 2 exercise the padded last batch.
+  from eagle3jax.training import misses
+  tgt = engine_helpers.target(mesh)
+  dr = engine_helpers.copy_drafter(tgt)
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, 131, int(n)).tolist() for n in (4, 6, 5, 7, 4)]
+  d = training.pack(prompts, training.regenerate(tgt, prompts, max_new_tokens=14), 20)
+  gap_edges, position_edges = (0.05, 0.2), (3, 8)
+  got = training.miss_breakdown(tgt, dr, d.tokens, d.loss_mask, steps=3, gap_edges=gap_edges,
+                                position_edges=position_edges, batch_size=2)
+
+  out = eagle3jax.forward(tgt, d.tokens, capture=engine_helpers.CAPTURE)
+  logits = np.asarray(out.logits, np.float64)
+  top2 = np.sort(logits, axis=-1)[..., -2:]
+  gap = top2[..., 1] - top2[..., 0]
+  argmax = logits.argmax(-1)
+  b, t = d.tokens.shape
+  with jax.set_mesh(tgt.mesh):
+    shifted = jnp.asarray(np.pad(d.tokens[:, 1:], ((0, 0), (0, 1))))
+    a, _ = dr(shifted, dr.project(out.aux_hidden), jnp.broadcast_to(jnp.arange(t), (b, t)))
+    pred = np.asarray(dr.to_target_ids(jnp.argmax(dr.logits(a), -1)))
+  valid = d.loss_mask.copy()
+  valid[:, :2] = False
+  rows, cols = np.nonzero(valid)                       # token u is predicted at u - 2
+  hit = pred[rows, cols - 2] == argmax[rows, cols - 1]
+  g = gap[rows, cols - 1]
+  index = cols - np.argmax(d.loss_mask, axis=1)[rows]
+  assert got.positions == len(rows) == int(d.loss_mask[:, 2:].sum())
+  assert got.accuracy == pytest.approx(hit.mean())
+  assert 0.1 < got.accuracy < 0.9                                  # hits and misses both
+  assert got.step_accuracy[0] == pytest.approx(got.accuracy) and len(got.step_accuracy) == 3
+  for bins, values, edges in ((got.by_gap, g, gap_edges), (got.by_position, index,
+                                                           position_edges)):
+    bounds = [0, *edges, np.inf]
+    assert [(x.low, x.high) for x in bins] == list(zip(bounds[:-1], bounds[1:]))
+    for x in bins:
+      sel = (values >= x.low) & (values < x.high)
+      assert x.fraction == pytest.approx(sel.mean())
+      assert x.miss_share == pytest.approx((sel & ~hit).sum() / (~hit).sum())
+      if sel.any():
+        assert x.accuracy == pytest.approx(hit[sel].mean())
+      else:
+        assert np.isnan(x.accuracy)
+  assert json.loads(json.dumps(got.to_dict()))["by_gap"][-1]["high"] is None
+  assert misses.GAP_EDGES == tuple(sorted(misses.GAP_EDGES))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(loss_mask=np.zeros((2, 20), bool)), "no response token"),
+    (dict(loss_mask=np.ones((2, 19), bool)), "same shape"),
+    (dict(gap_edges=(0.3, 0.1)), "gap_edges=(0.3, 0.1) must be positive and increasing"),
+    (dict(position_edges=(0, 8)), "position_edges=(0, 8) must be positive"),
+    (dict(steps=0), "steps=0"),
+])
+def test_miss_breakdown_input_errors(mesh, change, message):
+  tgt = engine_helpers.target(mesh)
+  args = dict(tokens=np.full((2, 20), 5), loss_mask=np.ones((2, 20), bool))
+  args.update(change)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    training.miss_breakdown(tgt, engine_helpers.copy_drafter(tgt), args.pop("tokens"),
+                            args.pop("loss_mask"), **args)

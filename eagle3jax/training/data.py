@@ -138,12 +138,17 @@ class TargetFeatures:
   argmax: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "capture"))
-def _features(graphdef, state, tokens, draft_ids, capture):
-  target = nnx.merge(graphdef, state)
+def features_and_logits(target, tokens, draft_ids, capture):
+  """``(TargetFeatures, logits [B, T, V])`` of one target forward (traced inside a jit: the
+  full logits stay in that program)."""
   logits, aux, _ = target(tokens, capture=capture)     # [B, T, V], vocab-parallel
   return TargetFeatures(aux, vp.take_columns(logits, draft_ids),
-                        jnp.argmax(logits, axis=-1).astype(jnp.int32))
+                        jnp.argmax(logits, axis=-1).astype(jnp.int32)), logits
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "capture"))
+def _features(graphdef, state, tokens, draft_ids, capture):
+  return features_and_logits(nnx.merge(graphdef, state), tokens, draft_ids, capture)[0]
 
 
 def target_features(target, tokens, capture: CaptureSpec, draft_ids) -> TargetFeatures:
