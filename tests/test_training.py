@@ -535,7 +535,7 @@ def test_miss_breakdown_equals_a_recount_from_the_serving_calls(mesh):
 
 @pytest.mark.parametrize("change, message", [
     (dict(loss_mask=np.zeros((2, 20), bool)), "no response token"),
-    (dict(loss_mask=np.ones((2, 19), bool)), "same shape"),
+    (dict(loss_mask=np.ones((2, 19), bool)), "the tokens' shape (2, 20); got (2, 19) bool"),
     (dict(gap_edges=(0.3, 0.1)), "gap_edges=(0.3, 0.1) must be positive and increasing"),
     (dict(position_edges=(0, 8)), "position_edges=(0, 8) must be positive"),
     (dict(steps=0), "steps=0"),

@@ -132,9 +132,9 @@ def miss_breakdown(target, drafter, tokens, loss_mask, *, steps: int = 7,
   """
   tokens = check_tokens(tokens, target.config.vocab_size, "tokens")
   loss_mask = np.asarray(loss_mask)
-  if tokens.ndim != 2 or loss_mask.shape != tokens.shape or loss_mask.dtype != bool:
-    raise ValueError(f"miss_breakdown: tokens must be [M, T] and loss_mask a bool array of the "
-                     f"same shape; got {tokens.shape} and {loss_mask.shape} {loss_mask.dtype}")
+  if loss_mask.shape != tokens.shape or loss_mask.dtype != bool:
+    raise ValueError(f"miss_breakdown: loss_mask must be a bool array of the tokens' shape "
+                     f"{tokens.shape}; got {loss_mask.shape} {loss_mask.dtype}")
   if tokens.shape[1] < 3 or not loss_mask[:, 2:].any():
     raise ValueError("miss_breakdown: no response token at position 2 or later; pass prompt + "
                      "response sequences (training.pack) with the response in loss_mask")
@@ -155,7 +155,7 @@ def miss_breakdown(target, drafter, tokens, loss_mask, *, steps: int = 7,
   mask = np.concatenate([loss_mask, np.zeros((rows - m, tokens.shape[1]), bool)])
   acc_sum = np.zeros(steps)
   counts = np.zeros(steps)
-  hits, gaps, valid = [], [], []
+  hits, gaps = [], []
   with jax.set_mesh(target.mesh):
     for i in range(0, rows, batch_size):
       acc, count, hit, gap = jax.device_get(_batch(
