@@ -11,7 +11,8 @@ from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
 __all__ = [
     "DataPosition", "TargetFeatures", "TrainingData", "build_training_data", "pack", "regenerate",
-    "target_features", "Bin", "MissBreakdown", "miss_breakdown", "TRAINABLE", "TrainConfig", "Trainer", "TrainResult", "make_optimizer",
+    "target_features", "Bin", "MissBreakdown", "miss_breakdown", "TRAINABLE", "TrainConfig",
+    "Trainer", "TrainResult", "make_optimizer",
     "train_drafter", "drafter_layer", "label_distribution", "loss_start", "soft_cross_entropy",
     "ttt_attention_mask", "ttt_loss", "DraftVocab", "build_draft_vocab",
 ]
