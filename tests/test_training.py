@@ -533,6 +533,22 @@ def test_miss_breakdown_equals_a_recount_from_the_serving_calls(mesh):
   assert misses.GAP_EDGES == tuple(sorted(misses.GAP_EDGES))
 
 
+def test_miss_breakdown_on_a_vocabulary_sharded_target_equals_unsharded():
+  # An even vocabulary is split over tensor=2: the top-2 gap comes from vocab_parallel.top_k
+  # across the shards and must give the same breakdown as one shard.
+  cfg = dataclasses.replace(engine_helpers.CFG, vocab_size=132)
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(3, 131, 5).tolist() for _ in range(4)]
+  out = []
+  for data_size, tensor in ((2, 1), (1, 2)):
+    tgt = engine_helpers.target(eagle3jax.make_mesh(data_size, tensor), cfg)
+    d = training.pack(prompts, training.regenerate(tgt, prompts, max_new_tokens=10), 16)
+    out.append(json.dumps(training.miss_breakdown(
+        tgt, engine_helpers.copy_drafter(tgt), d.tokens, d.loss_mask, steps=3,
+        batch_size=2).to_dict()))
+  assert out[0] == out[1]
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(loss_mask=np.zeros((2, 20), bool)), "no response token"),
     (dict(loss_mask=np.ones((2, 19), bool)), "the tokens' shape (2, 20); got (2, 19) bool"),

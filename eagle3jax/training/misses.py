@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3jax import vocab_parallel as vp
 from eagle3jax.api import check_tokens
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.training.data import features_and_logits
@@ -110,11 +111,8 @@ def _batch(tgraph, tstate, dgraph, dstate, tokens, loss_mask, draft_ids, capture
                           ttt_attention_mask(t, 0))
   pred = drafter.to_target_ids(jnp.argmax(drafter.logits(a), axis=-1).astype(jnp.int32))
   hit = pred[:, :t - 2] == feats.argmax[:, 1:t - 1]                      # predicts token t+2
-  logits = logits.astype(jnp.float32)
-  top = jnp.max(logits, axis=-1, keepdims=True)
-  at_top = logits >= top
-  second = jnp.max(jnp.where(at_top, -jnp.inf, logits), axis=-1)
-  gap = jnp.where(jnp.sum(at_top, axis=-1) > 1, 0.0, top[..., 0] - second)   # ties: 0
+  top2, _ = vp.top_k(logits.astype(jnp.float32), 2)                      # [B, T, 2]
+  gap = top2[..., 0] - top2[..., 1]                                       # ties: 0
   return (metrics["acc"], metrics["count"], jnp.pad(hit, ((0, 0), (2, 0))),
           jnp.pad(gap[:, :t - 1], ((0, 0), (1, 0))))
 
