@@ -193,7 +193,7 @@ def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
   return prompts_from(tok, read_files(manifest["heldout"]), n, HELDOUT["length"], seed)
 
 
-def _load_demo_target(out_dir: str):
+def load_demo_target(out_dir: str):
   """``(target, tokenizer)`` of ``out_dir/target`` as the demo trains and measures on it:
   float32, the default layer loop."""
   import jax.numpy as jnp
@@ -208,17 +208,19 @@ def _load_demo_target(out_dir: str):
 
 def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                      seed: int = 99, shapes=((7, 1, 8), (5, 4, 8)), max_new_tokens: int = 128,
-                     batch_size: int = 8, log=print) -> dict[str, dict[str, float]]:
+                     batch_size: int = 8, loaded=None,
+                     log=print) -> dict[str, dict[str, float]]:
   """Greedy acceptance length per tree shape of each drafter for ``out_dir/target`` on
   ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample than the 8 prompts of
   the learning curves, which were off the 64-prompt figure by up to 0.17 at (7, 1, 8).
+  ``loaded``: ``load_demo_target(out_dir)``'s result, to reuse a target already loaded.
   Returns ``{drafter_dir: {"steps,topk,tokens": length}}``."""
   import eagle3jax
   from eagle3jax import monitor
   if num_prompts < 1 or batch_size < 1 or not drafter_dirs:
     raise ValueError(f"compare_drafters needs num_prompts >= 1 (got {num_prompts}), "
                      f"batch_size >= 1 (got {batch_size}) and at least one drafter folder")
-  target, tok = _load_demo_target(out_dir)
+  target, tok = loaded or load_demo_target(out_dir)
   prompts = heldout_prompts(out_dir, tok, num_prompts, seed)
   out = {}
   for d in drafter_dirs:
@@ -232,16 +234,17 @@ def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int 
 
 def drafter_misses(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                    seed: int = 99, response_len: int = 128, batch_size: int = 16,
-                   log=print) -> dict:
+                   loaded=None, log=print) -> dict:
   """``training.miss_breakdown`` of each drafter on ``num_prompts`` held-out prompts (drawn
   with ``seed``, as ``compare_drafters``) continued greedily by ``out_dir/target`` for
-  ``response_len`` tokens. Returns ``{drafter_dir: MissBreakdown}``."""
+  ``response_len`` tokens (``loaded`` as in ``compare_drafters``). Returns
+  ``{drafter_dir: MissBreakdown}``."""
   import eagle3jax
   from eagle3jax.training import miss_breakdown, pack, regenerate
   if num_prompts < 1 or response_len < 1 or not drafter_dirs:
     raise ValueError(f"drafter_misses needs num_prompts >= 1 (got {num_prompts}), "
                      f"response_len >= 1 (got {response_len}) and at least one drafter folder")
-  target, tok = _load_demo_target(out_dir)
+  target, tok = loaded or load_demo_target(out_dir)
   prompts = heldout_prompts(out_dir, tok, num_prompts, seed)
   responses = regenerate(target, prompts, max_new_tokens=response_len, batch_size=64,
                          eos_ids=[])
@@ -264,7 +267,7 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   from eagle3jax import monitor
 
   drafter_dir = os.path.join(out_dir, "drafter")
-  target, tok = _load_demo_target(out_dir)
+  target, tok = load_demo_target(out_dir)
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
   with open(os.path.join(out_dir, "manifest.json")) as f:
     train_texts = read_files(json.load(f)["train"])
@@ -295,7 +298,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   with open(os.path.join(out_dir, "manifest.json")) as f:
     manifest = json.load(f)
   train_texts = read_files(manifest["train"])
-  target, tok = _load_demo_target(out_dir)
+  target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)
   t0 = time.perf_counter()

@@ -10,7 +10,7 @@ import json
 import sys
 
 from eagle3jax.capture_contract import tree_key
-from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses
+from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
 
 
 def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
@@ -60,13 +60,14 @@ def main() -> int:
   args = p.parse_args()
   try:
     shapes = _parse_shapes(args.shapes)
+    loaded = load_demo_target(args.demo_dir)  # one target for both measurements
     result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,
                               seed=args.seed, shapes=shapes,
                               max_new_tokens=args.max_new_tokens, batch_size=args.batch,
-                              log=log)
+                              loaded=loaded, log=log)
     misses = drafter_misses(args.demo_dir, args.drafters, num_prompts=args.prompts,
                             seed=args.seed, response_len=args.max_new_tokens,
-                            log=log) if args.misses else {}
+                            loaded=loaded, log=log) if args.misses else {}
   except (ValueError, OSError) as e:
     print(f"compare_drafters.py: error: {e}", file=sys.stderr)
     return 2

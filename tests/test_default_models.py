@@ -142,10 +142,16 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   from eagle3jax import demo, monitor
   mod = load_script("compare_drafters")
   out = tmp_path / "cmp.json"
+  loads = []                                      # --misses reuses the acceptance's target
+  real_load = demo.load_demo_target
+  counted = lambda d: loads.append(d) or real_load(d)  # noqa: E731
+  monkeypatch.setattr(demo, "load_demo_target", counted)
+  monkeypatch.setattr(mod, "load_demo_target", counted)
   monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--prompts", "2",
                                     "--shapes", "2,1,3", "--max-new-tokens", "8",
                                     "--misses", "--json", str(out)])
   assert mod.main() == 0
+  assert len(loads) == 1, loads
   printed = capsys.readouterr().out
   assert "| (2, 1, 3) |" in printed
   assert "| target's top-1 minus top-2 logit (nats) |" in printed
