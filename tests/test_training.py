@@ -268,6 +268,18 @@ def test_ttt_loss_equals_the_plain_formula_values_and_gradients(target, data, fi
         w = np.asarray(flat_want[path][...])
         np.testing.assert_allclose(np.asarray(g[...]), w, rtol=2e-4,
                                    atol=2e-6 * float(np.abs(w).max()) + 1e-9, err_msg=str(path))
+    # with_hits (miss_breakdown's): step 0's hit at token i; over the response they average
+    # to step 0's accuracy, and a later start leaves the hits from start + 2 on unchanged.
+    hits = jax.jit(lambda p, s: ttt.ttt_loss(
+        nnx.merge(graphdef, p, rest), feats, tokens, jnp.asarray(mask), steps=steps, start=s,
+        label_temperature=label_temperature, with_hits=True)[1]["hit0"], static_argnums=1)
+    h0 = np.asarray(hits(params, 0))
+    assert h0.shape == mask.shape and h0.dtype == bool
+    counted = mask & (np.arange(SEQ_LEN)[None] >= 2)
+    np.testing.assert_allclose(h0[counted].mean(), float(want_acc[0]), atol=1e-6)
+    hs = np.asarray(hits(params, start))
+    np.testing.assert_array_equal(hs[:, start + 2:], h0[:, start + 2:])
+    assert not hs[:, :start + 2].any()
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "capture"))

@@ -32,7 +32,7 @@ from eagle3jax import vocab_parallel as vp
 from eagle3jax.api import check_tokens
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.training.data import features_and_logits
-from eagle3jax.training.ttt import drafter_layer, ttt_attention_mask, ttt_loss
+from eagle3jax.training.ttt import ttt_loss
 
 GAP_EDGES = (0.1, 0.3, 0.6, 1.0, 2.0)
 POSITION_EDGES = (16, 32, 64)
@@ -103,17 +103,12 @@ def _batch(tgraph, tstate, dgraph, dstate, tokens, loss_mask, draft_ids, capture
   target = nnx.merge(tgraph, tstate)
   drafter = nnx.merge(dgraph, dstate)
   feats, logits = features_and_logits(target, tokens, draft_ids, capture)
-  _, metrics = ttt_loss(drafter, feats, tokens, loss_mask, steps=steps, label_temperature=0.0)
-  b, t = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  next_tokens = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))                # x_{t+1} at t
-  a, _, _ = drafter_layer(drafter, next_tokens, drafter.project(feats.aux), positions, [], [],
-                          ttt_attention_mask(t, 0))
-  pred = drafter.to_target_ids(jnp.argmax(drafter.logits(a), axis=-1).astype(jnp.int32))
-  hit = pred[:, :t - 2] == feats.argmax[:, 1:t - 1]                      # predicts token t+2
+  _, metrics = ttt_loss(drafter, feats, tokens, loss_mask, steps=steps, label_temperature=0.0,
+                        with_hits=True)
+  t = tokens.shape[1]
   top2, _ = vp.top_k(logits.astype(jnp.float32), 2)                      # [B, T, 2]
   gap = top2[..., 0] - top2[..., 1]                                       # ties: 0
-  return (metrics["acc"], metrics["count"], jnp.pad(hit, ((0, 0), (2, 0))),
+  return (metrics["acc"], metrics["count"], metrics["hit0"],
           jnp.pad(gap[:, :t - 1], ((0, 0), (1, 0))))
 
 

@@ -181,7 +181,8 @@ def label_distribution(draft_logits: jax.Array, temperature: float = 1.0) -> jax
 
 
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
-             decay: float = 0.8, start: int = 0, label_temperature: float = 1.0):
+             decay: float = 0.8, start: int = 0, label_temperature: float = 1.0,
+             with_hits: bool = False):
   """The TTT loss of a batch.
 
   Args:
@@ -198,10 +199,13 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
       the whole training data guarantees (the prompts). Saves the prompt's share of every
       step's layer and draft-vocabulary head.
     label_temperature: the labels are ``label_distribution(target logits, this)``.
+    with_hits: also return step 0's hits per position (``miss_breakdown``'s diagnostic).
 
   Returns:
     ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K]}`` (per-step
-    loss, accuracy and number of positions counted for accuracy).
+    loss, accuracy and number of positions counted for accuracy); with ``with_hits`` also
+    ``"hit0": [B, T]`` bool, at index i whether step 0 (run at position i - 2) predicted the
+    target's argmax for token i, unmasked (False for i < start + 2).
   """
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
@@ -229,6 +233,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   past_k, past_v = [k], [v]
   hidden = a[:, start:]
   losses, accs, counts = [], [], []
+  hit0 = jnp.zeros((b, t), bool)
   total = jnp.float32(0.0)
   for j in range(steps):
     # --- Step j: token x_{t+j+1} at position t+j predicts x_{t+j+2} (target logits t+j+1).
@@ -249,6 +254,9 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     ce = soft_cross_entropy(logits, probs[:, start + j + 1:])            # [B, n_j]
     loss_j = jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
     pred = drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32))
+    if j == 0 and with_hits:                    # token start + 2 + i; the last is past T
+      hit0 = jnp.pad(pred[:, :n_j - 1] == target_argmax[:, start + 1:t - 1],
+                     ((0, 0), (start + 2, 0)))
     hit = ((pred == target_argmax[:, start + j + 1:]) & valid).astype(jnp.float32)
     count = jnp.sum(valid.astype(jnp.float32))
     total = total + (decay ** j) * loss_j
@@ -258,6 +266,8 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   zero = [jnp.float32(0.0)] * (steps - len(losses))  # steps reaching past the sequence
   metrics = {"loss": jnp.stack(losses + zero), "acc": jnp.stack(accs + zero),
              "count": jnp.stack(counts + zero)}
+  if with_hits:
+    metrics["hit0"] = hit0
   return total, metrics
 
 
