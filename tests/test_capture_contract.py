@@ -171,6 +171,18 @@ def test_monitor_reports_recorded_and_warns_once_when_far_below(saved, target, m
     monitor.compare({"accept_length_mean": 1.2, "rounds": 5}, dr, 3, 1, 4, greedy=True)
   assert len(caught) == 1 and "far below the 3.50" in str(caught[0].message)
   assert stats["accept_length_recorded"] == 3.5
+  # Measuring the acceptance (what writes the record) does not warn about the old record,
+  # and warnings the caller had on stay on after it.
+  dr.capture_record = dr.capture_record.with_acceptance({"3,1,4": 9.0})
+  monkeypatch.setattr(monitor, "MIN_ROUNDS", 4)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    tau = monitor.measure_acceptance(target, dr, [[5, 6, 7, 8, 9, 10, 3]], ((3, 1, 4),),
+                                     max_new_tokens=24, eos_ids=[])
+    monitor.compare({"accept_length_mean": 1.2, "rounds": 40}, dr, 3, 1, 4, greedy=True)
+  assert tau["3,1,4"] - 1 < monitor.FAR_BELOW * (9.0 - 1)  # so generate alone would warn
+  far = [w for w in caught if issubclass(w.category, monitor.AcceptanceWarning)]
+  assert len(far) == 1 and "length 1.20 over 40 rounds" in str(far[0].message)
 
 
 # --- checkpoint hygiene -------------------------------------------------------------------
