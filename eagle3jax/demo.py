@@ -128,6 +128,7 @@ class DemoConfig:
   draft_head_init: str = "random"
   draft_label_temperature: float = 0.0
   draft_step_decay: float = 0.8
+  draft_capture: str = ""
   heldout_every: int = 100
   seed: int = 0
 
@@ -307,6 +308,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
                            checkpoint_dir=state_dir or tmp, progress=False,
                            heldout_prompts=heldout_prompts(out_dir, tok),
                            heldout_every=cfg.heldout_every,
+                           capture=drafter_capture(cfg),
                            drafter_overrides=drafter_overrides(cfg))
   last = result.history[-1] if result.history else {}
   log(f"drafter: {len(result.history)} steps in {time.perf_counter() - t0:.0f} s, coverage "
@@ -334,6 +336,19 @@ def drafter_train_config(cfg: DemoConfig):
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
                      step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init)
+
+
+def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:
+  """The target layers the drafter reads (``draft_capture``: comma-separated output-convention
+  ids, e.g. ``"1,5,10"``; empty: ``CaptureSpec.eagle3_default``, the outputs of layers 1,
+  L/2 - 1 and L - 4)."""
+  if not cfg.draft_capture.strip():
+    return None
+  try:
+    return tuple(int(i) for i in cfg.draft_capture.split(","))
+  except ValueError:
+    raise ValueError(f"DemoConfig.draft_capture={cfg.draft_capture!r}: give comma-separated "
+                     f"layer ids, e.g. '1,5,10'") from None
 
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import torch
 import transformers
 
@@ -85,3 +86,14 @@ def test_drafter_overrides_carry_the_demo_drafter_shape():
       "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32,
       "intermediate_size": 1408}
   assert demo.drafter_overrides(dataclasses.replace(d, draft_head_dim=32)) == {"head_dim": 32}
+
+
+def test_drafter_capture_parses_the_demo_flag():
+  # --draft-capture picks the target layers the drafter reads; empty keeps EAGLE-3's default
+  # (train_drafter's CaptureSpec.eagle3_default), a malformed list is refused by name.
+  d = demo.DemoConfig()
+  assert demo.drafter_capture(d) is None
+  assert demo.drafter_capture(dataclasses.replace(d, draft_capture="1,5,10")) == (1, 5, 10)
+  assert demo.drafter_capture(dataclasses.replace(d, draft_capture=" 2, 6 ,11")) == (2, 6, 11)
+  with pytest.raises(ValueError, match="draft_capture='1;5'"):
+    demo.drafter_capture(dataclasses.replace(d, draft_capture="1;5"))
