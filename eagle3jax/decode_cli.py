@@ -8,6 +8,7 @@ import os
 import sys
 
 from eagle3jax.distributed import distributed_flags, initialize_from_flags, is_main_process
+from eagle3jax.flags import parse_ints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_TARGET = os.path.join(REPO, "models", "default", "target")
@@ -56,11 +57,7 @@ def parser() -> argparse.ArgumentParser:
 
 def _mesh(text: str):
   import eagle3jax  # pylint: disable=import-outside-toplevel
-  try:
-    data, tensor = (int(x) for x in text.split(","))
-  except ValueError:
-    raise ValueError(f"--mesh {text!r}: expected DATA,TENSOR, e.g. 1,8") from None
-  return eagle3jax.make_mesh(data, tensor)
+  return eagle3jax.make_mesh(*parse_ints(text, "--mesh", count=2, form="DATA,TENSOR, e.g. 1,8"))
 
 
 def run(argv=None) -> int:
@@ -94,11 +91,7 @@ def _run(args) -> int:
                                    verify_capture=not args.no_verify_capture)
   codec = None
   if args.prompt_ids is not None:
-    try:
-      prompt = [int(x) for x in args.prompt_ids.split(",") if x.strip()]
-    except ValueError:
-      raise ValueError(f"--prompt-ids {args.prompt_ids!r}: expected comma-separated "
-                       "integers") from None
+    prompt = list(parse_ints(args.prompt_ids, "--prompt-ids"))
     if os.path.exists(os.path.join(args.target, "tokenizer.json")):
       codec = TextCodec(args.target)
   else:

@@ -19,6 +19,8 @@ import zlib
 
 import numpy as np
 
+from eagle3jax.flags import parse_ints
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(REPO, "models", "default")
 EOS = "<|endoftext|>"
@@ -344,11 +346,8 @@ def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:
   L/2 - 1 and L - 4)."""
   if not cfg.draft_capture.strip():
     return None
-  try:
-    return tuple(int(i) for i in cfg.draft_capture.split(","))
-  except ValueError:
-    raise ValueError(f"DemoConfig.draft_capture={cfg.draft_capture!r}: give comma-separated "
-                     f"layer ids, e.g. '1,5,10'") from None
+  return parse_ints(cfg.draft_capture, "--draft-capture (DemoConfig.draft_capture)",
+                    form="comma-separated layer ids, e.g. '1,5,10'")
 
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:

@@ -10,6 +10,7 @@ import sys
 
 from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
 from eagle3jax.demo import DEFAULT_DIR
+from eagle3jax.flags import parse_ints
 
 
 def main() -> int:
@@ -30,7 +31,7 @@ def main() -> int:
   try:
     result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
                            max_new_tokens=args.max_new_tokens,
-                           batches=tuple(int(b) for b in args.batches.split(",")),
+                           batches=parse_ints(args.batches, "--batches"),
                            settings=SETTINGS, runs=args.runs,
                            with_transformers=not args.no_transformers,
                            breakdown=not args.no_breakdown,

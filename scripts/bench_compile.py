@@ -6,6 +6,7 @@ import sys
 
 from eagle3jax.bench import report
 from eagle3jax.bench_compile import compile_scaling, markdown
+from eagle3jax.flags import parse_ints
 
 
 def main() -> int:
@@ -14,7 +15,12 @@ def main() -> int:
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default=None, help="also write the result here")
   args = p.parse_args()
-  result = compile_scaling(tuple(int(d) for d in args.depths.split(",")), args.repeats)
+  try:
+    depths = parse_ints(args.depths, "--depths")
+  except ValueError as e:
+    print(f"bench_compile.py: error: {e}", file=sys.stderr)
+    return 2
+  result = compile_scaling(depths, args.repeats)
   return report(result, markdown(result), args.json)
 
 

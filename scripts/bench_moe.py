@@ -6,6 +6,7 @@ import sys
 
 from eagle3jax.bench import report
 from eagle3jax.bench_moe import markdown, moe_scaling
+from eagle3jax.flags import parse_ints
 
 
 def main() -> int:
@@ -17,7 +18,12 @@ def main() -> int:
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--json", default=None, help="also write the result here")
   args = p.parse_args()
-  result = moe_scaling(tuple(int(e) for e in args.experts.split(",")), args.top_k, args.hidden,
+  try:
+    experts = parse_ints(args.experts, "--experts")
+  except ValueError as e:
+    print(f"bench_moe.py: error: {e}", file=sys.stderr)
+    return 2
+  result = moe_scaling(experts, args.top_k, args.hidden,
                        args.ffn, args.repeats)
   return report(result, markdown(result), args.json)
 

@@ -11,17 +11,18 @@ import sys
 
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
+from eagle3jax.flags import parse_ints
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+def _parse_shapes(text: str) -> list[tuple[int, ...]]:
   """'7,1,8;5,4,8' -> [(7, 1, 8), (5, 4, 8)]."""
+  items = [s for s in text.split(";") if s.strip()]
   try:
-    shapes = [tuple(int(x) for x in s.split(",")) for s in text.split(";") if s.strip()]
+    if not items:
+      raise ValueError(text)
+    return [parse_ints(s, "--shapes", count=3) for s in items]
   except ValueError:
-    shapes = []
-  if not shapes or any(len(s) != 3 for s in shapes):
-    raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)")
-  return shapes
+    raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)") from None
 
 
 def log(message: str) -> None:

@@ -10,6 +10,8 @@ import json
 import os
 import sys
 
+from eagle3jax.flags import parse_ints
+
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__,
@@ -30,9 +32,9 @@ def main() -> int:
   p.add_argument("--json", action="store_true", help="print one JSON object")
   args = p.parse_args()
   try:
-    data, tensor = (int(x) for x in args.mesh.split(","))
-  except ValueError:
-    print(f"plan.py: error: --mesh {args.mesh!r} must be DATA,TENSOR", file=sys.stderr)
+    data, tensor = parse_ints(args.mesh, "--mesh", count=2, form="DATA,TENSOR")
+  except ValueError as e:
+    print(f"plan.py: error: {e}", file=sys.stderr)
     return 2
   # Fake CPU devices for the mesh: set before JAX initialises.
   flags = os.environ.get("XLA_FLAGS", "")

@@ -18,6 +18,8 @@ import json
 import os
 import sys
 
+from eagle3jax.flags import parse_ints
+
 _FIELD_HELP = {
     "learning_rate": "peak AdamW learning rate",
     "warmup_steps": "linear warmup steps",
@@ -88,13 +90,6 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
   return p
 
 
-def _ints(text: str, flag: str) -> list[int]:
-  try:
-    return [int(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    raise ValueError(f"{flag} {text!r} must be comma-separated integers") from None
-
-
 def _read_ids_file(path: str, flag: str) -> list[list[int]]:
   if not os.path.isfile(path):
     raise ValueError(f"{flag} {path!r} does not exist")
@@ -152,9 +147,7 @@ def run(argv=None) -> int:
   try:
     if not os.path.isdir(args.target):
       raise ValueError(f"--target {args.target!r} is not a directory")
-    mesh_sizes = _ints(args.mesh, "--mesh")
-    if len(mesh_sizes) != 2:
-      raise ValueError(f"--mesh {args.mesh!r} must be DATA,TENSOR (two integers)")
+    mesh_sizes = parse_ints(args.mesh, "--mesh", count=2, form="DATA,TENSOR (two integers)")
     config = _train_config(args, TrainConfig)
     prompts = _read_prompts(args)
     heldout = (_read_ids_file(args.heldout_prompt_ids_file, "--heldout-prompt-ids-file")
@@ -167,7 +160,7 @@ def run(argv=None) -> int:
     mesh = eagle3jax.make_mesh(*mesh_sizes)
     target = eagle3jax.load_target(args.target, mesh=mesh, dtype=getattr(jnp, args.dtype),
                                    layer_loop=args.layer_loop or default_layer_loop())
-    capture = (eagle3jax.CaptureSpec(tuple(_ints(args.capture, "--capture")))
+    capture = (eagle3jax.CaptureSpec(parse_ints(args.capture, "--capture"))
                if args.capture else None)
     result = eagle3jax.train_drafter(target, prompts, args.out, config, capture=capture,
                                      progress=not args.no_progress, heldout_prompts=heldout)

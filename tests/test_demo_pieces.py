@@ -95,5 +95,5 @@ def test_drafter_capture_parses_the_demo_flag():
   assert demo.drafter_capture(d) is None
   assert demo.drafter_capture(dataclasses.replace(d, draft_capture="1,5,10")) == (1, 5, 10)
   assert demo.drafter_capture(dataclasses.replace(d, draft_capture=" 2, 6 ,11")) == (2, 6, 11)
-  with pytest.raises(ValueError, match="draft_capture='1;5'"):
+  with pytest.raises(ValueError, match=r"--draft-capture \(DemoConfig.draft_capture\) '1;5': expected"):
     demo.drafter_capture(dataclasses.replace(d, draft_capture="1;5"))

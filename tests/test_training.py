@@ -484,7 +484,7 @@ def test_script_heldout_prompts_are_checked(tmp_path, capsys):
     (["--target", ".", "--out", "o", "--prompt-ids-file", "/nonexistent.json"],
      "--prompt-ids-file '/nonexistent.json' does not exist"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--mesh", "2"],
-     "--mesh '2' must be DATA,TENSOR"),
+     "--mesh '2': expected DATA,TENSOR"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--warmup-steps", "5000"],
      "warmup_steps=5000 must be below total_steps"),
 ])

@@ -1,0 +1,31 @@
+"""The scripts' integer-list flags (``--mesh 1,8``, ``--capture 1,5,8``, ``--batches 1,4``):
+one parser, so every script refuses a malformed list the same way, naming its flag, instead of
+a traceback from ``int()``."""
+
+from __future__ import annotations
+
+
+def parse_ints(text: str, flag: str, *, count: int | None = None,
+               form: str = "comma-separated integers") -> tuple[int, ...]:
+  """``"1, 5,8"`` -> ``(1, 5, 8)``; blanks around items and a trailing comma are ignored.
+
+  Args:
+    text: the flag's value.
+    flag: the flag's name as the user typed it (``"--mesh"``), for the error.
+    count: if given, exactly this many integers are required.
+    form: what the flag expects, in words, for the error (e.g. ``"DATA,TENSOR"``).
+
+  Raises:
+    ValueError: ``"{flag} {text!r}: expected {form}"`` when an item is not an integer, the
+      list is empty, or it does not have ``count`` items.
+  """
+  items = [x.strip() for x in str(text).split(",")]
+  if items and not items[-1]:
+    items.pop()  # "1,2," is "1,2"
+  try:
+    values = tuple(int(x) for x in items)
+  except ValueError:
+    values = ()
+  if not values or (count is not None and len(values) != count):
+    raise ValueError(f"{flag} {text!r}: expected {form}")
+  return values
