@@ -16,13 +16,13 @@ from eagle3jax.flags import parse_ints
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
   """'7,1,8;5,4,8' -> [(7, 1, 8), (5, 4, 8)]."""
-  items = [s for s in text.split(";") if s.strip()]
   try:
-    if not items:
-      raise ValueError(text)
-    return [parse_ints(s, "--shapes", count=3) for s in items]
+    shapes = [parse_ints(s, "--shapes", count=3) for s in text.split(";") if s.strip()]
   except ValueError:
-    raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)") from None
+    shapes = []
+  if not shapes:
+    raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)")
+  return shapes
 
 
 def log(message: str) -> None:
