@@ -10,6 +10,7 @@ times, and the median compile times and their ratio to the shallowest depth are 
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from eagle3jax import api, engine as eng
 from eagle3jax.capture import CaptureSpec
@@ -65,9 +67,29 @@ def lowered_programs(num_layers: int, mesh=None, *, batch: int = 1, prompt_len: 
   return out
 
 
+@contextlib.contextmanager
+def without_persistent_cache():
+  """Compiles in the block run XLA even where a persistent compilation cache is set
+  (``JAX_COMPILATION_CACHE_DIR``, the test suite's): a hit there would time a read from disk.
+  The cache's setting is restored after the block."""
+  enabled = jax.config.jax_enable_compilation_cache
+  jax.config.update("jax_enable_compilation_cache", False)
+  compilation_cache.reset_cache()  # JAX decides once per process whether to use the cache
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
+
+
 def compile_scaling(depths=(6, 48), repeats: int = 3, mesh=None, log=print) -> dict:
   """Median compile seconds per depth for the forward and the decode loop (prefill + rounds),
-  and each depth's ratio to the first depth."""
+  and each depth's ratio to the first depth (never read from a persistent cache)."""
+  with without_persistent_cache():
+    return _compile_scaling(depths, repeats, mesh, log)
+
+
+def _compile_scaling(depths, repeats, mesh, log) -> dict:
   times = {d: {"forward": [], "decode": []} for d in depths}
   for r in range(repeats):
     for d in depths:

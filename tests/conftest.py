@@ -9,7 +9,9 @@ those names (transformers >= 5.25 imports PyPI's ``kernels``). pytest's importli
 """
 
 import os
+import shutil
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,6 +28,23 @@ if "PYTHONPATH" in os.environ:
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the run: many tests compile the same programs (the
+# helper models, the shipped pair, the MoE layers) in different test files, which pytest-xdist
+# spreads over its workers. The controller makes the folder before the workers start; they, and
+# the scripts the tests run as subprocesses, inherit it through the environment, and it goes
+# when the run ends. A cache the caller set (JAX_COMPILATION_CACHE_DIR) is used as it is.
+_OWN_CACHE = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  _OWN_CACHE = tempfile.mkdtemp(prefix="eagle3jax-tests-xla-cache-")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_unconfigure(config):  # pylint: disable=unused-argument
+  if _OWN_CACHE is not None:
+    shutil.rmtree(_OWN_CACHE, ignore_errors=True)

@@ -1,6 +1,9 @@
 """Stacked layers run as scans: segments at the captures, layer slicing, and a compiled program
 whose size does not grow with depth."""
 
+import os
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -51,7 +54,23 @@ def test_compile_benchmark_reports_medians_and_ratios():
   """scripts/bench_compile.py's measurement on two small depths: every program compiles, each
   depth has a median, a range and a ratio to the first depth (1 for the first)."""
   from eagle3jax import bench_compile  # pylint: disable=import-outside-toplevel
-  result = bench_compile.compile_scaling((3, 5), repeats=2, log=lambda m: None)
+  events = []
+  listener = lambda event, **kw: events.append(event)  # noqa: E731
+  jax.monitoring.register_event_listener(listener)
+  try:
+    result = bench_compile.compile_scaling((3, 5), repeats=2, log=lambda m: None)
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  # Every repeat ran XLA: the suite's persistent cache (conftest) was neither read nor written.
+  assert not [e for e in events if e.startswith("/jax/compilation_cache/compile_requests")]
+  # ... and is back in use after it.
+  assert os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_enable_compilation_cache
+  jax.monitoring.register_event_listener(listener)
+  try:
+    jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(5)).compile()
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+  assert "/jax/compilation_cache/compile_requests_use_cache" in events
   first, second = result["rows"]
   assert first["forward_ratio"] == first["decode_ratio"] == 1.0
   for row in result["rows"]:
