@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices (before JAX initialises) and float32 matmuls.
+"""Test setup: 8 fake CPU devices (before JAX initialises), float32 matmuls, and one
+persistent compilation cache per run (below).
 
 The repository root goes last on ``sys.path`` (and leaves ``PYTHONPATH``, which subprocesses
 inherit). ``python -m pytest`` and pytest-xdist put it first, where its ``kernels/`` and
