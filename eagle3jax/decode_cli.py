@@ -45,8 +45,10 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--layer-loop", choices=("scan", "split"), default=None,
                  help="target layers as scans, or one-layer stacks (faster on CPU; default: "
                       "split on CPU, scan elsewhere)")
-  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32")
-  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", choices=("bfloat16", "float32"), default="float32",
+                 help="dtype the target is loaded in, and the drafter with it (default float32)")
+  p.add_argument("--seed", type=int, default=0,
+                 help="random seed of sampling (temperature > 0); greedy ignores it")
   p.add_argument("--baseline", action="store_true",
                  help="also run autoregressive decoding; report speedup and, for greedy, "
                       "whether the outputs match")

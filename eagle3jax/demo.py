@@ -215,7 +215,7 @@ def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int 
                      log=print) -> dict[str, dict[str, float]]:
   """Greedy acceptance length per tree shape of each drafter for ``out_dir/target`` on
   ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample than the 8 prompts of
-  the learning curves, which were off the 64-prompt figure by up to 0.17 at (7, 1, 8).
+  the learning curves, which were off the 64-prompt figure by up to 0.29 at (7, 1, 8).
   ``loaded``: ``load_demo_target(out_dir)``'s result, to reuse a target already loaded.
   Returns ``{drafter_dir: {"steps,topk,tokens": length}}``."""
   import eagle3jax
