@@ -30,7 +30,14 @@ def _forward(graphdef, state, tokens, capture):
 
 def check_tokens(tokens, vocab_size: int, what: str = "input_ids") -> np.ndarray:
   """Validates a ``[B, T]`` batch of token ids on the host; returns it as int32 numpy."""
-  arr = np.asarray(tokens)
+  if isinstance(tokens, jax.core.Tracer):
+    raise TypeError(f"{what} must be concrete: this entry point runs on the host (it checks the "
+                    "ids, then runs its own jitted program); call it outside jax.jit")
+  try:
+    arr = np.asarray(tokens)
+  except ValueError:
+    raise ValueError(f"{what} must be a [B, T] batch of equally long token-id rows; its rows "
+                     "differ in length (pad them, or run them separately)") from None
   if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 1:
     raise ValueError(f"{what} must have shape [B, T] with B, T >= 1; got {arr.shape}")
   if not np.issubdtype(arr.dtype, np.integer):
@@ -46,7 +53,8 @@ def forward(target, input_ids, *, capture: CaptureSpec | Sequence[int] | None = 
   """Runs ``target`` over full sequences ``input_ids [B, T]`` (causal, positions 0..T-1).
 
   Returns logits ``[B, T, V]`` and, with ``capture``, the concatenated captures
-  ``[B, T, len(ids) * D]`` (see ``eagle3jax.CaptureSpec`` for the convention).
+  ``[B, T, len(ids) * D]`` (see ``eagle3jax.CaptureSpec`` for the convention). Runs on the
+  host (it checks the ids, then calls its own jitted program): call it outside ``jax.jit``.
   """
   capture = as_capture_spec(capture)
   if capture is not None:

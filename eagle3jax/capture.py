@@ -20,6 +20,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from eagle3jax.sharding import BATCH, EMBED, SEQ, shard
 
@@ -41,6 +42,11 @@ class CaptureSpec:
   layout: tuple[str | None, ...] = (BATCH, SEQ, EMBED)
 
   def __post_init__(self):
+    bad = [i for i in self.layer_ids
+           if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer))]
+    if bad:
+      raise ValueError(f"CaptureSpec.layer_ids={list(self.layer_ids)} must be integer layer ids; "
+                       f"got {bad}")
     ids = tuple(int(i) for i in self.layer_ids)
     object.__setattr__(self, "layer_ids", ids)
     object.__setattr__(self, "layout", tuple(self.layout))
@@ -92,4 +98,7 @@ def as_capture_spec(capture: "CaptureSpec | Sequence[int] | None") -> CaptureSpe
   """Accepts a CaptureSpec, a list of ids or None."""
   if capture is None or isinstance(capture, CaptureSpec):
     return capture
+  if isinstance(capture, (str, bytes)) or not isinstance(capture, (Sequence, np.ndarray)):
+    raise ValueError(f"capture={capture!r} must be a CaptureSpec or a list of layer ids "
+                     "(e.g. [1, 5, 8])")
   return CaptureSpec(tuple(capture))

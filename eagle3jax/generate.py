@@ -38,17 +38,37 @@ def prompt_bucket(n: int) -> int:
 
 
 def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+  if isinstance(prompts, (np.ndarray, jax.Array)):
+    if isinstance(prompts, jax.core.Tracer):
+      raise TypeError("generate runs on the host (it checks the prompts and compiles its own "
+                      "programs); call it outside jax.jit / jax.vmap")
+    if prompts.ndim != 2:
+      raise ValueError(f"prompts given as an array must be [B, T] integer token ids (every "
+                       f"prompt the same length); got shape {tuple(prompts.shape)}: for one "
+                       f"prompt pass [ids], for prompts of different lengths a list of lists")
+    prompts = list(np.asarray(prompts))
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-    raise ValueError("prompts must be a non-empty list of token-id lists")
+    raise ValueError(f"prompts must be a non-empty list of token-id lists (or a [B, T] integer "
+                     f"array); got {type(prompts).__name__}")
+  if all(isinstance(p, (int, np.integer)) for p in prompts):
+    raise ValueError(f"prompts is a flat list of {len(prompts)} token ids; pass a list of "
+                     "prompts, e.g. [ids] for one")
   out = []
   for i, p in enumerate(prompts):
-    if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+    if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray, jax.Array)):
       raise ValueError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
-    arr = np.asarray(p)
-    if arr.size and (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer)):
+    try:
+      arr = np.asarray(p)
+    except ValueError:
+      raise ValueError(f"prompts[{i}] must be a flat list of token ids; it holds nested lists "
+                       "of different lengths") from None
+    if arr.size and arr.ndim != 1:
+      raise ValueError(f"prompts[{i}] must be a flat list of token ids; got nested values of "
+                       f"shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"prompts[{i}] must hold integer token ids; got {arr.dtype} values "
                        f"{arr.ravel()[:5].tolist()}")
-    p = [int(t) for t in p]
+    p = [int(t) for t in arr]
     if not p:
       raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
     bad = [t for t in p if not 0 <= t < vocab_size]
@@ -56,6 +76,34 @@ def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
       raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
     out.append(p)
   return out
+
+
+def _integer(name: str, value, minimum: int | None = None) -> int:
+  """``value`` as a Python int: ints, NumPy integers and 0-d integer arrays only (no bools, no
+  floats, even whole ones: a float tree size or budget is a caller's mistake)."""
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+    value = value.item() if np.issubdtype(value.dtype, np.integer) else value
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+    raise ValueError(f"{name}={value!r} must be an integer"
+                     + (f" >= {minimum}" if minimum is not None else ""))
+  value = int(value)
+  if minimum is not None and value < minimum:
+    raise ValueError(f"{name}={value} must be an integer >= {minimum}")
+  return value
+
+
+def _real(name: str, value) -> float:
+  """``value`` as a Python float: Python, NumPy or JAX scalars (a 0-d array), not None,
+  strings, bools or arrays of several values."""
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{name} must be a concrete number: generate runs on the host, outside "
+                    "jax.jit")
+  ok = not isinstance(value, (bool, np.bool_, str, bytes)) and value is not None
+  arr = np.asarray(value) if ok else None
+  if arr is None or arr.ndim != 0 or not (np.issubdtype(arr.dtype, np.floating)
+                                          or np.issubdtype(arr.dtype, np.integer)):
+    raise ValueError(f"{name}={value!r} must be a number")
+  return float(arr)
 
 
 def _cache_len(need: int) -> int:
@@ -122,17 +170,21 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     target: a target from ``load_target``/``init_target``.
     drafter: a drafter from ``load_drafter``/``init_drafter``, or None for plain
       autoregressive decoding through the same target code (the baseline).
-    prompts: list of token-id lists (lengths may differ).
+    prompts: list of token-id lists (lengths may differ), or a ``[B, T]`` integer array.
     max_new_tokens: new tokens per prompt at most.
     temperature: 0 for greedy; otherwise sampling with ``top_p`` and ``top_k``.
     num_steps, topk, num_draft_tokens: draft tree shape (``topk=1``: a chain of
       ``num_steps + 1`` tokens; then ``num_draft_tokens`` is set to ``num_steps + 1``).
     capture: None uses the drafter's recorded capture; any other must equal it.
     eos_ids: None takes the target config's EOS ids; ``[]`` disables stopping on EOS.
-    seed: sampling seed (one key per row).
+    seed: sampling seed, an integer in ``[0, 2**32)`` (one key per row is derived from it).
     attention_impl: target attention (default: the Pallas kernel on GPU, XLA elsewhere).
     on_tokens: called after every round with the tokens emitted so far (streaming); this
       costs one host sync per round.
+
+  Runs on the host (it checks its arguments, then runs compiled programs): call it outside
+  ``jax.jit``. Wrong arguments (types, ranges, a drafter that does not fit the target, a
+  capture other than the drafter's) raise ``ValueError`` naming the argument.
 
   Returns:
     ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
@@ -142,17 +194,33 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   """
   cfg = target.config
   prompts = _validate_prompts(prompts, cfg.vocab_size)
-  if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive integer")
+  max_new_tokens = _integer("max_new_tokens", max_new_tokens, 1)
+  temperature, top_p = _real("temperature", temperature), _real("top_p", top_p)
   if not np.isfinite(temperature) or temperature < 0:
     raise ValueError(f"temperature={temperature} must be a finite number >= 0")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
-  if top_k < 0 or top_k > cfg.vocab_size:
+  top_k = _integer("top_k", top_k, 0)
+  if top_k > cfg.vocab_size:
     raise ValueError(f"top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}]")
+  if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
+    raise ValueError("seed must be an integer, not a PRNG key: generate derives one key per "
+                     "row from it")
+  seed = _integer("seed", seed, 0)
+  if seed >= 2**32:
+    raise ValueError(f"seed={seed} must be below 2**32 (JAX keys hold 32 bits: larger seeds "
+                     "would repeat smaller ones)")
+  if on_tokens is not None and not callable(on_tokens):
+    raise ValueError(f"on_tokens must be a function of the tokens so far, or None; got "
+                     f"{type(on_tokens).__name__}")
   impl = attention_impl or default_attention_impl()
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"attention_impl={impl!r}; choose one of {ATTENTION_IMPLS}")
+  platform = target.mesh.devices.flat[0].platform
+  if impl == "pallas" and platform != "gpu":
+    raise ValueError(f"attention_impl='pallas' compiles the Pallas kernel for GPUs; this "
+                     f"target is on {platform}: use 'xla', or 'pallas_interpret' (the kernel "
+                     "interpreted, for tests)")
   longest = max(len(p) for p in prompts)
   if longest + max_new_tokens > cfg.max_position_embeddings:
     raise ValueError(
@@ -162,11 +230,14 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   if drafter is None:
     tree, spec_capture = None, None
   else:
+    contract.check_pair(target, drafter.config)
+    num_steps, topk = _integer("num_steps", num_steps, 1), _integer("topk", topk, 1)
     if topk > drafter.config.draft_vocab_size:
       raise ValueError(f"topk={topk} exceeds the drafter's draft_vocab_size="
                        f"{drafter.config.draft_vocab_size}")
     if topk == 1:
       num_draft_tokens = num_steps + 1
+    num_draft_tokens = _integer("num_draft_tokens", num_draft_tokens)
     tree = TreeShape(num_steps, topk, num_draft_tokens)
     contract.check_mesh(target, drafter.mesh)
     spec_capture = contract.check_serving_capture(drafter, capture)
@@ -177,13 +248,15 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
           "length): its RoPE is untrained there and acceptance usually falls (output stays "
           "correct)", stacklevel=2)
     spec_capture.validate(cfg.num_hidden_layers)
-    if drafter.config.feature_size != cfg.hidden_size:
-      raise ValueError(f"drafter target_hidden_size={drafter.config.feature_size} differs from "
-                       f"the target's hidden_size={cfg.hidden_size}")
   spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=temperature == 0.0,
                                                            top_k=int(top_k)),
                         capture=spec_capture, attention_impl=impl)
-  eos = cfg.eos_token_ids if eos_ids is None else tuple(int(e) for e in eos_ids)
+  if eos_ids is not None and (isinstance(eos_ids, (str, bytes))
+                              or not isinstance(eos_ids, (Sequence, np.ndarray))):
+    raise ValueError(f"eos_ids={eos_ids!r} must be a list of token ids (or None for the "
+                     "target config's, [] for none)")
+  eos = (cfg.eos_token_ids if eos_ids is None else
+         tuple(_integer(f"eos_ids[{i}]", e) for i, e in enumerate(eos_ids)))
   if any(not 0 <= e < cfg.vocab_size for e in eos):
     raise ValueError(f"eos_ids={list(eos)} must be token ids in [0, vocab_size="
                      f"{cfg.vocab_size})")

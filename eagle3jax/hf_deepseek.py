@@ -16,7 +16,7 @@ from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.quant_io import dequantize_fp8
-from eagle3jax.sharding import single_device_mesh
+from eagle3jax.sharding import validate_mesh
 from eagle3jax.weights import deepseek_table
 
 __all__ = ["dequantize_fp8", "init_deepseek"]
@@ -31,7 +31,7 @@ def init_deepseek(cfg: DeepseekConfig, *, mesh: Mesh | None = None, dtype=jnp.fl
   stored values and scales (dequantized weights of about ``std``), as a checkpoint with that
   ``quantization_config`` would load with ``quantization="keep"``.
   """
-  mesh = mesh or single_device_mesh()
+  mesh = validate_mesh(mesh)
   schemes = linear_schemes(quantization, deepseek_table(cfg), cfg.num_hidden_layers)
   model = materialize(lambda: DeepseekForCausalLM(cfg, dtype=dtype, schemes=schemes), mesh,
                       random_fill(seed, std))

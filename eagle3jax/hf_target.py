@@ -36,7 +36,7 @@ from eagle3jax.quant import part_of
 from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.quant_io import read_dequantized, read_quantized
 from eagle3jax.safetensors_io import SafetensorsDir, check_finite
-from eagle3jax.sharding import TENSOR, single_device_mesh
+from eagle3jax.sharding import TENSOR, validate_mesh
 from eagle3jax import stack as stack_lib
 from eagle3jax import weights as weights_lib
 
@@ -153,7 +153,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
   Raises:
     ValueError: unsupported config values, missing or unexpected weights, shape mismatches.
   """
-  mesh = mesh or single_device_mesh()
+  mesh = validate_mesh(mesh)
   hf_cfg = read_config(path)
   cfg, factory, table, kv_repeat = target_factory(hf_cfg, mesh, dtype, quantization)
   qcfg = QuantizationConfig.from_hf(hf_cfg)
@@ -231,7 +231,7 @@ def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32
                 seed: int = 0, std: float = 0.02, layer_loop: str = "scan"):
   """A randomly initialised target (the same weights on every mesh for the same seed);
   ``layer_loop`` as in ``load_target``."""
-  mesh = mesh or single_device_mesh()
+  mesh = validate_mesh(mesh)
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
   model = materialize(factory, mesh, random_fill(seed, std), kv_repeat)
   model.mesh = mesh

@@ -43,6 +43,11 @@ def materialize(factory: Callable[[], nnx.Module], mesh: Mesh, fill: Fill,
   Parameters with a ``KV_HEADS`` axis are asked for in their logical shape (K heads) and
   replicated ``kv_repeat`` times along that axis (see ``llama.kv_head_replication``).
   """
+  with jax.set_mesh(mesh):  # not a caller's mesh context: the layer writes trace on this one
+    return _materialize(factory, mesh, fill, kv_repeat)
+
+
+def _materialize(factory, mesh: Mesh, fill: Fill, kv_repeat: int) -> nnx.Module:
   abstract = nnx.eval_shape(factory)
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)

@@ -33,6 +33,11 @@ class TreeShape:
   num_draft_tokens: int
 
   def __post_init__(self):
+    for name in ("num_steps", "topk", "num_draft_tokens"):
+      value = getattr(self, name)
+      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{name}={value!r} must be an integer")
+      object.__setattr__(self, name, int(value))
     if self.num_steps < 1:
       raise ValueError(f"num_steps={self.num_steps} must be >= 1")
     if self.topk < 1:

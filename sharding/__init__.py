@@ -1,6 +1,7 @@
 """Meshes, logical axis names and sharding rules (imported as ``eagle3jax.sharding``)."""
 
-from eagle3jax.sharding.mesh import DATA, MESH_AXES, TENSOR, make_mesh, single_device_mesh
+from eagle3jax.sharding.mesh import (
+    DATA, MESH_AXES, TENSOR, make_mesh, single_device_mesh, validate_mesh)
 from eagle3jax.sharding.rules import (
     ACTIVATION_RULES, BATCH, CAPTURE, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LORA, MLP,
     PARAM_RULES, SEQ, VOCAB, activation_spec, batch_major, current_mesh, devices_along,
@@ -8,7 +9,8 @@ from eagle3jax.sharding.rules import (
 
 __all__ = [
     # Meshes
-    "DATA", "MESH_AXES", "TENSOR", "make_mesh", "single_device_mesh", "current_mesh",
+    "DATA", "MESH_AXES", "TENSOR", "make_mesh", "single_device_mesh", "validate_mesh",
+    "current_mesh",
     "devices_along",
     # Logical axes
     "BATCH", "CAPTURE", "EMBED", "EXPERT", "HEAD_DIM", "HEADS", "KV_HEADS", "LAYERS", "LORA",

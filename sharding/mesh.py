@@ -12,6 +12,7 @@ so no other module picks axis types.
 from __future__ import annotations
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 DATA = "data"
@@ -37,8 +38,9 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
       multi-process mesh leaves devices out.
   """
   for name, size in (("data", data), ("tensor", tensor)):
-    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+    if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
       raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
+  data, tensor = int(data), int(tensor)
   devices = list(jax.devices() if devices is None else devices)
   need = data * tensor
   processes = jax.process_count()
@@ -57,6 +59,33 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
   return jax.make_mesh(
       (data, tensor), MESH_AXES, axis_types=(AxisType.Explicit, AxisType.Explicit),
       devices=devices[:need])
+
+
+def validate_mesh(mesh: Mesh | None) -> Mesh:
+  """The mesh a model is placed on: ``mesh`` itself when it is one ``make_mesh`` would build
+  (axes ``("data", "tensor")``, both Explicit), ``single_device_mesh()`` for None.
+
+  Raises:
+    ValueError: naming what differs (not a ``Mesh``, other axis names, axes that are not
+      Explicit), so a hand-built mesh fails here rather than at the first annotation.
+  """
+  if mesh is None:
+    return single_device_mesh()
+  if not isinstance(mesh, Mesh):
+    raise ValueError(f"mesh must be a jax.sharding.Mesh built by eagle3jax.make_mesh(data, "
+                     f"tensor); got {type(mesh).__name__}")
+  if tuple(mesh.axis_names) != MESH_AXES:
+    raise ValueError(f"mesh axes {tuple(mesh.axis_names)} must be {MESH_AXES} (batch, then "
+                     "tensor parallelism); build the mesh with eagle3jax.make_mesh(data, tensor)")
+  types = tuple(getattr(mesh, "axis_types", ()) or ())
+  loose = [n for n, t in zip(mesh.axis_names, types) if t != AxisType.Explicit]
+  if len(types) != len(mesh.axis_names) or loose:
+    raise ValueError(
+        f"mesh axes {loose or list(mesh.axis_names)} are not Explicit (axis types "
+        f"{[str(t) for t in types]}): eagle3jax needs Explicit axes so that a capture laid out "
+        "differently from the others fails while tracing instead of feeding the drafter a "
+        "wrong feature; build the mesh with eagle3jax.make_mesh(data, tensor)")
+  return mesh
 
 
 def single_device_mesh() -> Mesh:

@@ -272,6 +272,26 @@ def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
     (dict(temperature=float("nan")), "temperature=nan must be a finite number"),
     (dict(prompts=[[3.7, 4.2]]), "must hold integer token ids"),
     (dict(eos_ids=[131]), r"eos_ids=\[131\] must be token ids in \[0, vocab_size=131\)"),
+    # Values that used to be coerced silently, or to fail deep inside JAX.
+    (dict(top_k=2.5, temperature=1.0), r"top_k=2.5 must be an integer"),
+    (dict(eos_ids=[2.5]), r"eos_ids\[0\]=2.5 must be an integer"),
+    (dict(eos_ids="51"), r"eos_ids='51' must be a list of token ids"),
+    (dict(eos_ids=2), r"eos_ids=2 must be a list of token ids"),
+    (dict(max_new_tokens=True), r"max_new_tokens=True must be an integer"),
+    (dict(num_steps=2.0), r"num_steps=2.0 must be an integer"),
+    (dict(topk=2, num_steps=2, num_draft_tokens=4.0), r"num_draft_tokens=4.0 must be an integer"),
+    (dict(seed=2**32), r"seed=4294967296 must be below 2\*\*32"),
+    (dict(seed=None), r"seed=None must be an integer"),
+    (dict(temperature=None), r"temperature=None must be a number"),
+    (dict(temperature="0.7"), r"temperature='0.7' must be a number"),
+    (dict(top_p=None), r"top_p=None must be a number"),
+    (dict(on_tokens=5), r"on_tokens must be a function"),
+    (dict(capture=3), r"capture=3 must be a CaptureSpec or a list of layer ids"),
+    (dict(attention_impl="pallas"), r"attention_impl='pallas' compiles the Pallas kernel for "
+                                    r"GPUs; this target is on cpu"),
+    (dict(prompts=[3, 4]), r"prompts is a flat list of 2 token ids; pass a list of prompts"),
+    (dict(prompts=np.array([3, 4])), r"prompts given as an array must be \[B, T\]"),
+    (dict(prompts=[[[3, 4]]]), r"prompts\[0\] must be a flat list of token ids"),
 ])
 def test_generate_refuses_bad_values(saved, target, kwargs, match):
   dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
@@ -279,6 +299,33 @@ def test_generate_refuses_bad_values(saved, target, kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     eagle3jax.generate(target, dr, args.pop("prompts"), **args)
+
+
+def test_generate_refuses_a_prng_key_as_seed(saved, target):
+  import jax
+  dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
+  with pytest.raises(ValueError, match="seed must be an integer, not a PRNG key"):
+    eagle3jax.generate(target, dr, [[3, 4]], max_new_tokens=2, temperature=1.0,
+                       seed=jax.random.key(0))
+
+
+def test_generate_refuses_a_drafter_of_another_vocabulary(target):
+  # generate itself checks the pair (not only load_drafter): a drafter built for another
+  # vocabulary would run, exactly but uselessly slowly.
+  other = eagle3jax.init_target(dataclasses.replace(H.CFG, vocab_size=97), seed=3)
+  with pytest.raises(ValueError, match="drafter vocab_size=131 differs from the target's "
+                                       "vocab_size=97"):
+    eagle3jax.generate(other, H.random_drafter(target), [[3, 4]], max_new_tokens=2)
+
+
+def test_generate_takes_arrays_and_jax_scalars(saved, target):
+  import jax.numpy as jnp
+  dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
+  ref = eagle3jax.generate(target, dr, [[3, 4, 5]], max_new_tokens=4).tokens
+  for prompts in (np.array([[3, 4, 5]]), jnp.array([[3, 4, 5]]), [jnp.array([3, 4, 5])]):
+    assert eagle3jax.generate(target, dr, prompts, max_new_tokens=4).tokens == ref
+  assert eagle3jax.generate(target, dr, [[3, 4, 5]], max_new_tokens=jnp.int32(4),
+                            temperature=jnp.float32(0.0), seed=np.int64(1)).tokens == ref
 
 
 def test_include_embedding_false_leaves_it_out(target, tmp_path):

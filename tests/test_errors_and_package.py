@@ -4,6 +4,7 @@ import json
 import os
 
 import jax.numpy as jnp
+import jax
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -56,6 +57,8 @@ def test_capture_spec_default_and_validation():
     CaptureSpec((-2, 1))
   with pytest.raises(ValueError, match="empty"):
     CaptureSpec(())
+  with pytest.raises(ValueError, match=r"must be integer layer ids; got \[1.5\]"):
+    CaptureSpec((1.5, 3))
   with pytest.raises(ValueError, match=r"ids \[7\] are out of range for a target with 7"):
     CaptureSpec((1, 7)).validate(7)
 
@@ -68,6 +71,12 @@ def test_forward_rejects_bad_ids_and_captures():
     eagle3jax.forward(model, np.array([1, 2, 3]))
   with pytest.raises(ValueError, match="out of range"):
     eagle3jax.forward(model, np.array([[1, 2]]), capture=[0, 5])
+  with pytest.raises(ValueError, match="capture=3 must be a CaptureSpec or a list"):
+    eagle3jax.forward(model, np.array([[1, 2]]), capture=3)
+  with pytest.raises(ValueError, match="its rows differ in length"):
+    eagle3jax.forward(model, [[1, 2, 3], [1]])
+  with pytest.raises(TypeError, match="runs on the host"):
+    jax.jit(lambda x: eagle3jax.forward(model, x).logits)(np.array([[1, 2]]))
 
 
 # --- config ---

@@ -118,6 +118,32 @@ def test_make_mesh_errors():
   mesh = sharding.make_mesh(2, 4)
   assert mesh.axis_names == ("data", "tensor")
   assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+  assert sharding.make_mesh(np.int64(2), np.int32(4)).shape == mesh.shape
+
+
+def test_models_refuse_meshes_make_mesh_would_not_build():
+  # A hand-built mesh with Auto axes would take away the trace-time layout check the
+  # captures rely on; it is refused where the model is placed, not at its first annotation.
+  auto = jax.make_mesh((2, 4), ("data", "tensor"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  with pytest.raises(ValueError, match=r"mesh axes \['data', 'tensor'\] are not Explicit"):
+    eagle3jax.init_target(CFG, mesh=auto)
+  renamed = jax.make_mesh((2, 4), ("batch", "model"),
+                          axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  with pytest.raises(ValueError, match=r"mesh axes \('batch', 'model'\) must be \('data', "):
+    eagle3jax.init_target(CFG, mesh=renamed)
+  with pytest.raises(ValueError, match="mesh must be a jax.sharding.Mesh"):
+    eagle3jax.init_target(CFG, mesh="1,8")
+
+
+def test_model_placed_inside_another_mesh_context():
+  # A caller's jax.set_mesh(other) must not leak into placing a model on its own mesh.
+  ids = np.array([[3, 4, 5, 6]])
+  ref = eagle3jax.forward(eagle3jax.init_target(CFG, seed=7, std=0.1), ids).logits
+  with jax.set_mesh(sharding.make_mesh(2, 4)):
+    model = eagle3jax.init_target(CFG, mesh=sharding.make_mesh(1, 8), seed=7, std=0.1)
+  np.testing.assert_allclose(np.asarray(eagle3jax.forward(model, ids).logits), np.asarray(ref),
+                             rtol=2e-5, atol=2e-5)
 
 
 def test_shard_helper_rejects_rank_mismatch_and_unknown_axes():
