@@ -37,43 +37,45 @@ def prompt_bucket(n: int) -> int:
   return max(MIN_BUCKET, 1 << (int(n) - 1).bit_length())
 
 
-def _validate_prompts(prompts, vocab_size: int) -> list[list[int]]:
+def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[list[int]]:
+  """Validates token-id prompts (a list of lists, or a ``[B, T]`` integer array) on the host;
+  returns them as lists of ints. ``what`` names them in the errors."""
   if isinstance(prompts, (np.ndarray, jax.Array)):
     if isinstance(prompts, jax.core.Tracer):
       raise TypeError("generate runs on the host (it checks the prompts and compiles its own "
                       "programs); call it outside jax.jit / jax.vmap")
     if prompts.ndim != 2:
-      raise ValueError(f"prompts given as an array must be [B, T] integer token ids (every "
+      raise ValueError(f"{what} given as an array must be [B, T] integer token ids (every "
                        f"prompt the same length); got shape {tuple(prompts.shape)}: for one "
                        f"prompt pass [ids], for prompts of different lengths a list of lists")
     prompts = list(np.asarray(prompts))
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-    raise ValueError(f"prompts must be a non-empty list of token-id lists (or a [B, T] integer "
+    raise ValueError(f"{what} must be a non-empty list of token-id lists (or a [B, T] integer "
                      f"array); got {type(prompts).__name__}")
   if all(isinstance(p, (int, np.integer)) for p in prompts):
-    raise ValueError(f"prompts is a flat list of {len(prompts)} token ids; pass a list of "
+    raise ValueError(f"{what} is a flat list of {len(prompts)} token ids; pass a list of "
                      "prompts, e.g. [ids] for one")
   out = []
   for i, p in enumerate(prompts):
     if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray, jax.Array)):
-      raise ValueError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+      raise ValueError(f"{what}[{i}] must be a list of token ids, got {type(p).__name__}")
     try:
       arr = np.asarray(p)
     except ValueError:
-      raise ValueError(f"prompts[{i}] must be a flat list of token ids; it holds nested lists "
+      raise ValueError(f"{what}[{i}] must be a flat list of token ids; it holds nested lists "
                        "of different lengths") from None
     if arr.size and arr.ndim != 1:
-      raise ValueError(f"prompts[{i}] must be a flat list of token ids; got nested values of "
+      raise ValueError(f"{what}[{i}] must be a flat list of token ids; got nested values of "
                        f"shape {arr.shape}")
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
-      raise ValueError(f"prompts[{i}] must hold integer token ids; got {arr.dtype} values "
+      raise ValueError(f"{what}[{i}] must hold integer token ids; got {arr.dtype} values "
                        f"{arr.ravel()[:5].tolist()}")
     p = [int(t) for t in arr]
     if not p:
-      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+      raise ValueError(f"{what}[{i}] is empty; every prompt needs at least one token")
     bad = [t for t in p if not 0 <= t < vocab_size]
     if bad:
-      raise ValueError(f"prompts[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
+      raise ValueError(f"{what}[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
     out.append(p)
   return out
 
@@ -193,7 +195,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     (``eagle3jax.distributed``) every process makes the same call and gets the same result.
   """
   cfg = target.config
-  prompts = _validate_prompts(prompts, cfg.vocab_size)
+  prompts = check_prompts(prompts, cfg.vocab_size)
   max_new_tokens = _integer("max_new_tokens", max_new_tokens, 1)
   temperature, top_p = _real("temperature", temperature), _real("top_p", top_p)
   if not np.isfinite(temperature) or temperature < 0:

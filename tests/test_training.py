@@ -407,6 +407,15 @@ def test_export_load_decode_is_lossless(target, data, tmp_path):
   with pytest.raises(ValueError, match="heldout_every=10 needs heldout_prompts"):
     eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False,
                             heldout_every=10)
+  # Refused before the data is regenerated, not after the training they would end.
+  with pytest.raises(ValueError, match=r"heldout_prompts\[1\] has token ids outside"):
+    eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False,
+                            heldout_prompts=[[3, 4], [131]])
+  with pytest.raises(ValueError, match="seq_len=513 exceeds the target's "
+                                       "max_position_embeddings=512"):
+    eagle3jax.train_drafter(target, prompts, out, dataclasses.replace(CFG, seq_len=513),
+                            capture=CAPTURE, progress=False)
+  assert not os.path.exists(out)
   result = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE,
                                    progress=False, heldout_prompts=prompts[:2],
                                    heldout_every=12, heldout_shape=(3, 1, 4))
@@ -435,6 +444,40 @@ def test_export_load_decode_is_lossless(target, data, tmp_path):
   # A second call resumes from the finished checkpoint: no step is trained again.
   again = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False)
   assert again.history == []
+  # Other prompts (or another response length) against the kept data.npz: refused, where it
+  # used to train on the old data with only a warning about the changed fields.
+  for other_prompts, cfg in ((prompts[:3], CFG),
+                             (prompts, dataclasses.replace(CFG, max_new_tokens=20))):
+    with pytest.raises(ValueError, match="was regenerated from other prompts or regeneration "
+                                         "settings"):
+      eagle3jax.train_drafter(target, other_prompts, out, cfg, capture=CAPTURE,
+                              progress=False)
+
+
+def test_training_stops_at_a_non_finite_loss(target, data):
+  # A drafter weight made infinite gives a NaN loss: the step raises before its update lands.
+  prompts, d = data
+  drafter = _drafter(target, d)
+  fc = drafter.fc.get_value()  # the drafter's own weight, not the target's shared embedding
+  bad = np.asarray(fc).copy()
+  bad[0, 0] = np.inf
+  drafter.fc.set_value(jax.device_put(bad, fc.sharding))
+  trainer = training.Trainer(target, drafter, d, CFG)
+  before = jax.tree.map(np.asarray, trainer.params)
+  with pytest.raises(FloatingPointError, match=r"drafter training step 1: loss nan.*the update "
+                                               r"was not applied"):
+    trainer.train_step()
+  assert trainer.step == 0
+  jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, trainer.params))
+
+
+@pytest.mark.parametrize("field, value", [("grad_clip", float("nan")),
+                                          ("learning_rate", float("inf")),
+                                          ("weight_decay", float("nan")),
+                                          ("learning_rate", "1e-3"), ("b1", None)])
+def test_train_config_refuses_non_finite_and_non_numbers(field, value):
+  with pytest.raises(ValueError, match=f"TrainConfig.{field}=.* must be a finite number"):
+    training.TrainConfig(**{field: value})
 
 
 def _script():

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import os
 from typing import Sequence
 
@@ -39,10 +41,13 @@ class TrainingData:
     tokens: ``[M, T]`` int32 ``prompt + response`` ids, padded with 0 (and cut at T).
     loss_mask: ``[M, T]`` bool, True on response tokens only (never on padding).
     lengths: ``[M]`` int32 real lengths.
+    source: ``data_source`` of the prompts and settings it was regenerated from ("" when
+      unknown: data written before it was recorded).
   """
   tokens: np.ndarray
   loss_mask: np.ndarray
   lengths: np.ndarray
+  source: str = ""
 
   def __post_init__(self):
     if self.tokens.ndim != 2 or self.tokens.shape != self.loss_mask.shape:
@@ -66,14 +71,29 @@ class TrainingData:
   def save(self, path: str) -> None:
     """Writes an ``.npz`` atomically (temporary file, then rename)."""
     tmp = path + ".tmp.npz"
-    np.savez(tmp, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths)
+    np.savez(tmp, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths,
+             source=np.asarray(self.source))
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> "TrainingData":
     with np.load(path) as f:
+      source = str(f["source"]) if "source" in f.files else ""
       return cls(f["tokens"].astype(np.int32), f["loss_mask"].astype(bool),
-                 f["lengths"].astype(np.int32))
+                 f["lengths"].astype(np.int32), source)
+
+
+def data_source(prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
+                seed: int) -> str:
+  """A digest of what regenerated data depends on: the prompts, the response length and the
+  sampling (the seed only when sampling: greedy responses do not depend on it)."""
+  h = hashlib.sha256(json.dumps({
+      "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
+      "seed": int(seed) if temperature > 0 else None}).encode())
+  for p in prompts:
+    ids = np.asarray(p, np.int64).ravel()
+    h.update(np.int64(ids.size).tobytes() + ids.tobytes())
+  return h.hexdigest()[:16]
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 import zlib
@@ -44,9 +45,11 @@ from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
+from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
-                                     build_training_data, next_batch, target_features)
+                                     build_training_data, data_source, next_batch,
+                                     target_features)
 from eagle3jax.training.ttt import loss_start, reference_ttt_loss, ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
@@ -117,6 +120,15 @@ class TrainConfig:
       low = 0 if name == "warmup_steps" else 1
       if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"TrainConfig.{name}={value!r} must be an integer >= {low}")
+    reals = ("learning_rate", "final_lr_fraction", "b1", "b2", "weight_decay", "grad_clip",
+             "step_decay", "label_temperature", "temperature")
+    for name in reals:
+      value = getattr(self, name)
+      if (isinstance(value, bool) or not isinstance(value, (int, float))
+          or not math.isfinite(value)):
+        raise ValueError(f"TrainConfig.{name}={value!r} must be a finite number")
+    if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+      raise ValueError(f"TrainConfig.seed={self.seed!r} must be an integer")
     if self.warmup_steps >= self.total_steps:
       raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be below "
                        f"total_steps={self.total_steps}")
@@ -319,15 +331,24 @@ class Trainer:
     tokens, mask, position = next_batch(self.data, self.position, cfg.batch_size, cfg.seed)
     features = self.features(tokens)
     with jax.set_mesh(self.mesh):
-      self.params, self.opt_state, loss, metrics = optimizer_step(
+      params, opt_state, loss, metrics = optimizer_step(
           self._graphdef, step_config(cfg), self.params, self._rest, self.opt_state, features,
           self._place(tokens), self._place(mask), start=self._start)
+    grad_norm = float(metrics["grad_norm"])
+    if not (np.isfinite(float(loss)) and np.isfinite(grad_norm)):
+      # Stop before the update lands: every later step, checkpoint and the export would be NaN.
+      last = self._manager.latest_step() if self._manager is not None else None
+      raise FloatingPointError(
+          f"drafter training step {self.step + 1}: loss {float(loss)}, gradient norm "
+          f"{grad_norm}; the update was not applied. Lower learning_rate or grad_clip, or check "
+          f"the data (last checkpoint: {'none' if last is None else f'step {last}'})")
+    self.params, self.opt_state = params, opt_state
     self.step += 1
     self.position = position
     record = {"step": self.step, "loss": float(loss),
               "loss_per_step": np.asarray(metrics["loss"]).tolist(),
               "acc": np.asarray(metrics["acc"]).tolist(),
-              "grad_norm": float(metrics["grad_norm"]),
+              "grad_norm": grad_norm,
               "lr": float(learning_rate_schedule(cfg)(self.step - 1))}
     self.history.append(record)
     if self._manager is not None and (self.step % cfg.checkpoint_every == 0
@@ -454,6 +475,12 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   """
   if heldout_every < 0 or (heldout_every and not heldout_prompts):
     raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
+  if heldout_prompts:  # checked now, not after an hour of training
+    check_prompts(heldout_prompts, target.config.vocab_size, what="heldout_prompts")
+  limit = target.config.max_position_embeddings
+  if config.seq_len > limit:
+    raise ValueError(f"TrainConfig.seq_len={config.seq_len} exceeds the target's "
+                     f"max_position_embeddings={limit}; train on sequences of at most {limit}")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
@@ -462,16 +489,28 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   data_path = os.path.join(checkpoint_dir, "data.npz")
   have_data = os.path.exists(data_path)
   distributed.same_on_all(have_data, f"whether {data_path} exists")
+  source = data_source(prompts, max_new_tokens=config.max_new_tokens,
+                       temperature=config.temperature, seed=config.seed)
   if have_data:
     data = TrainingData.load(data_path)
     if data.seq_len != config.seq_len:
       raise ValueError(f"{data_path} holds sequences of length {data.seq_len}, but "
                        f"seq_len={config.seq_len}; use a fresh checkpoint directory")
+    if not data.source:
+      log.warning("%s does not record the prompts it was regenerated from (written by an "
+                  "older eagle3jax): training on it as it is", data_path)
+    elif data.source != source:
+      raise ValueError(
+          f"{data_path} was regenerated from other prompts or regeneration settings "
+          f"(max_new_tokens, temperature, or the seed when sampling) than this run's; resuming "
+          f"would silently train on the old data. Use a fresh checkpoint directory (--out), or "
+          f"delete {data_path} to regenerate")
   else:
     data = build_training_data(target, prompts, seq_len=config.seq_len,
                                max_new_tokens=config.max_new_tokens,
                                temperature=config.temperature, seed=config.seed,
                                batch_size=config.gen_batch_size)
+    data = dataclasses.replace(data, source=source)
     if distributed.is_main_process():
       data.save(data_path)
     distributed.barrier("eagle3jax.train_drafter.data")
