@@ -73,6 +73,9 @@ class LlamaConfig:
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
+    if not 0 < self.rms_norm_eps < 1:  # NaN, 0, negative or huge: NaN or flat activations
+      raise ValueError(f"config field rms_norm_eps={self.rms_norm_eps!r} must be a small positive "
+                       "number (typically 1e-6 or 1e-5)")
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads"):
       value = getattr(self, name)
@@ -115,6 +118,12 @@ class LlamaConfig:
       raise ValueError(f"config field model_type={model_type!r} is not supported by the "
                        f"Llama-family target; supported: {SUPPORTED_MODEL_TYPES}")
     unknown = sorted(k for k in hf if k not in _IGNORED_HF_FIELDS and not k.startswith("_"))
+    drafter_fields = sorted(set(unknown) & {"draft_vocab_size", "target_hidden_size",
+                                            "eagle_config"})
+    if drafter_fields:
+      raise ValueError(f"this config.json looks like an EAGLE-3 drafter's (fields "
+                       f"{drafter_fields}), not a target's: pass it as the drafter "
+                       "(--drafter / load_drafter) and the target model as the target")
     if unknown:
       raise ValueError(f"config.json has fields eagle3jax does not implement: {unknown}. "
                        "Remove them if they are harmless, or use a supported model.")

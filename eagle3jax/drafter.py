@@ -68,6 +68,9 @@ class DrafterConfig:
   target_hidden_size: int | None = None
 
   def __post_init__(self):
+    if not 0 < self.rms_norm_eps < 1:  # NaN, 0, negative or huge: NaN or flat activations
+      raise ValueError(f"drafter config field rms_norm_eps={self.rms_norm_eps!r} must be a small positive "
+                       "number (typically 1e-6 or 1e-5)")
     for name in ("hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "vocab_size", "draft_vocab_size"):
       value = getattr(self, name)

@@ -70,10 +70,10 @@ class RopeConfig:
     if self.rope_type not in SUPPORTED_ROPE_TYPES:
       raise ValueError(f"rope type {self.rope_type!r} is not supported; supported: "
                        f"{SUPPORTED_ROPE_TYPES}")
-    if not self.theta > 0:
-      raise ValueError(f"rope_theta={self.theta!r} must be positive")
-    if not self.factor > 0:
-      raise ValueError(f"rope factor={self.factor!r} must be positive")
+    if not 0 < self.theta < float("inf"):
+      raise ValueError(f"rope_theta={self.theta!r} must be a finite positive number")
+    if not 0 < self.factor < float("inf"):
+      raise ValueError(f"rope factor={self.factor!r} must be a finite positive number")
 
   @classmethod
   def from_hf(cls, hf: Mapping[str, Any], *, default_theta: float = 10000.0,

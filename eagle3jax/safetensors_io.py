@@ -31,11 +31,21 @@ class SafetensorsFile:
       raw = f.read(8)
       if len(raw) != 8:
         raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+      if raw.startswith(b"version "):
+        raise ValueError(f"{path} is a git-lfs pointer, not the weights: fetch them with "
+                         "`git lfs pull` (or download the file itself)")
       (n,) = struct.unpack("<Q", raw)
+      size = os.path.getsize(path)
+      if n > size - 8:
+        raise ValueError(f"{path} is not a safetensors file: its first 8 bytes give a "
+                         f"{n}-byte header, but the file has {size} bytes (an HTML page or a "
+                         "partial download? download it again)")
       try:
         header = json.loads(f.read(n))
       except ValueError as e:
         raise ValueError(f"{path} is not a safetensors file (bad header: {e})") from None
+    if not isinstance(header, dict):
+      raise ValueError(f"{path} is not a safetensors file (its header is not a JSON object)")
     header.pop("__metadata__", None)
     self._header = header
     self._base = 8 + n

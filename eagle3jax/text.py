@@ -1,5 +1,7 @@
 """Tokenisation for the scripts: ``tokenizer.json`` via the ``tokenizers`` package, and the
-chat template of ``tokenizer_config.json`` when the directory has one."""
+chat template when the directory has one (``chat_template.jinja``, where recent
+``transformers`` versions save it, or ``tokenizer_config.json``'s ``chat_template``: a string,
+or a list of named templates of which ``default`` is used)."""
 
 from __future__ import annotations
 
@@ -14,23 +16,45 @@ class TextCodec:
     from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
     tok_path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_path):
-      raise ValueError(f"{path!r} has no tokenizer.json; pass --prompt-ids instead of --prompt")
-    self.tokenizer = Tokenizer.from_file(tok_path)
+      raise ValueError(f"{path!r} has no tokenizer.json to encode text with; pass token ids "
+                       "(--prompt-ids) instead")
+    try:
+      self.tokenizer = Tokenizer.from_file(tok_path)
+    except Exception as e:  # the tokenizers package raises a bare Exception
+      raise ValueError(f"{tok_path} could not be read as a tokenizer ({e}); pass --prompt-ids "
+                       "instead of text, or fix the file") from None
     self.chat_template = None
     self.bos_token = None
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(cfg_path):
-      with open(cfg_path) as f:
-        cfg = json.load(f)
-      self.chat_template = cfg.get("chat_template")
+      try:
+        with open(cfg_path) as f:
+          cfg = json.load(f)
+      except ValueError as e:
+        raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
+      if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path} must hold a JSON object")
+      self.chat_template = _named_template(cfg.get("chat_template"), cfg_path)
       bos = cfg.get("bos_token")
       self.bos_token = bos.get("content") if isinstance(bos, dict) else bos
+    jinja_path = os.path.join(path, "chat_template.jinja")
+    if os.path.exists(jinja_path):  # where transformers saves it now; it wins, as there
+      with open(jinja_path) as f:
+        self.chat_template = f.read()
 
   def encode_prompt(self, text: str) -> list[int]:
     if self.chat_template:
       import jinja2  # pylint: disable=import-outside-toplevel
-      env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-      text = env.from_string(self.chat_template).render(
+      # As transformers renders chat templates: loop controls, and raise_exception.
+      env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
+                               extensions=["jinja2.ext.loopcontrols"])
+      env.globals["raise_exception"] = _raise_exception
+      try:
+        template = env.from_string(self.chat_template)
+      except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template does not parse as Jinja ({e}); fix it, or pass "
+                         "--prompt-ids") from None
+      text = template.render(
           messages=[{"role": "user", "content": text}], add_generation_prompt=True,
           bos_token=self.bos_token or "")
       return self.tokenizer.encode(text, add_special_tokens=False).ids
@@ -38,3 +62,22 @@ class TextCodec:
 
   def decode(self, ids: list[int]) -> str:
     return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _raise_exception(message):
+  raise ValueError(f"the chat template refused the prompt: {message}")
+
+
+def _named_template(value, where: str):
+  """A chat template given as a string, or as ``[{"name": ..., "template": ...}]`` (the
+  ``default`` one is used); None when there is none."""
+  if value is None or isinstance(value, str):
+    return value
+  if isinstance(value, list) and all(isinstance(t, dict) for t in value):
+    named = {t.get("name"): t.get("template") for t in value}
+    if isinstance(named.get("default"), str):
+      return named["default"]
+    raise ValueError(f"{where}: chat_template is a list of named templates "
+                     f"{sorted(map(str, named))} without a 'default' one")
+  raise ValueError(f"{where}: chat_template must be a string or a list of named templates; "
+                   f"got {type(value).__name__}")

@@ -104,6 +104,14 @@ def test_config_refuses_what_it_does_not_implement():
     eagle3jax.LlamaConfig.from_hf({k: v for k, v in base.items() if k != "intermediate_size"})
   with pytest.raises(ValueError, match="num_key_value_heads=3 must divide"):
     eagle3jax.LlamaConfig.from_hf({**base, "num_key_value_heads": 3})
+  # Values that used to load and decode NaN logits (argmax 0: an empty answer, exit code 0).
+  for eps in (-1, 0, float("nan")):
+    with pytest.raises(ValueError, match="rms_norm_eps=.* must be a small positive number"):
+      eagle3jax.LlamaConfig.from_hf({**base, "rms_norm_eps": eps})
+  with pytest.raises(ValueError, match="rope_theta=inf must be a finite positive number"):
+    eagle3jax.LlamaConfig.from_hf({**base, "rope_theta": float("inf")})
+  with pytest.raises(ValueError, match="looks like an EAGLE-3 drafter's"):
+    eagle3jax.LlamaConfig.from_hf({**base, "draft_vocab_size": 4, "target_hidden_size": 8})
 
 
 # --- load_target ---
@@ -122,6 +130,18 @@ def _edit_weights(path, fn):
   del st
   fn(tensors)
   safetensors.numpy.save_file(tensors, f)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 9\n",
+     "is a git-lfs pointer, not the weights"),
+    (b"<!DOCTYPE html><html>Not found</html>", r"bytes give a \d+-byte header, but the file has 37 bytes"),
+    (b"\x02\x00\x00\x00\x00\x00\x00\x00[]", "header is not a JSON object"),
+])
+def test_files_that_are_not_safetensors_are_named(checkpoint, content, message):
+  (checkpoint / "model.safetensors").write_bytes(content)
+  with pytest.raises(ValueError, match=message):
+    eagle3jax.load_target(str(checkpoint))
 
 
 def test_missing_weight_is_named(checkpoint):
