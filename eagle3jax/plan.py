@@ -293,13 +293,23 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
 
   Returns:
     A JSON-ready dict (see the module docstring; keys ``fits``, ``per_device``, ``hbm_bytes``,
-    ``max_batch``, ``max_context``, ``flops_per_round``, ``bytes_per_round``,
+    ``max_batch``, ``max_context`` (at most the target's ``max_position_embeddings``;
+    ``max_context_memory``: what memory alone would hold), ``flops_per_round``,
+    ``bytes_per_round``,
     ``roofline_round_s``, ``compile_s`` and more).
   """
   if device not in DEVICES:
     raise ValueError(f"device={device!r}; choose one of {sorted(DEVICES)}")
   if quantization not in ("keep", "dequantize"):
     raise ValueError(f"quantization={quantization!r}; choose 'keep' or 'dequantize'")
+  for name, value in (("batch", batch), ("context", context), ("prompt_len", prompt_len)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"{name}={value!r} must be a positive integer")
+  if prompt_len > context:
+    raise ValueError(f"prompt_len={prompt_len} exceeds context={context}: the prompt must fit "
+                     "the cache; lower --prompt-len or raise --context")
+  if hbm_gib is not None and not 0 < hbm_gib < float("inf"):
+    raise ValueError(f"hbm_gib={hbm_gib!r} must be a positive number of GiB")
   dev = DEVICES[device]
   hbm = int((hbm_gib if hbm_gib is not None else dev.hbm_gib) * GIB)
   mesh = make_mesh(data, tensor)
@@ -308,11 +318,15 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
   with jax.set_mesh(mesh), moe.as_accelerator():
     graphdef, params, target, drafter, capture = build(hf_cfg, drafter_hf, mesh, dtype=dtype,
                                                        quantization=quantization)
+    limit = target.config.max_position_embeddings
+    if context > limit:
+      raise ValueError(f"context={context} exceeds the target's max_position_embeddings="
+                       f"{limit}: it cannot serve that context; plan for at most {limit}")
     spec = _engine_spec(capture, steps, topk, draft_tokens)
     max_len = -(-(context + spec.slots_needed + spec.commit_width + 1) // 64) * 64
     t0 = time.perf_counter()
-    prefill, decode, st = _lower(graphdef, params, target, capture, spec, batch,
-                                 min(prompt_len, context), max_len)
+    prefill, decode, st = _lower(graphdef, params, target, capture, spec, batch, prompt_len,
+                                 max_len)
     prefill_c = prefill.compile()
     decode_c = decode.compile()
     compile_s = time.perf_counter() - t0
@@ -331,17 +345,20 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     per_seq = kv / local_batch + (temp + state) / local_batch
     max_batch = int(max(0, (hbm - fixed) // per_seq)) * data if per_seq else 0
     room = hbm - fixed - temp - state
-    max_context = int(max(0, room // (kv_per_token * local_batch))) if kv_per_token else 0
+    memory_context = int(max(0, room // (kv_per_token * local_batch))) if kv_per_token else 0
+    max_context = min(memory_context, limit)  # memory may hold more than the model can serve
     result = {
         "config": hf_model_type(hf_cfg), "device": dev.name, "mesh": [data, tensor],
         "quantization": quantization, "batch": batch, "context": context,
-        "cache_slots": max_len, "prompt_len": min(prompt_len, context),
+        "cache_slots": max_len, "prompt_len": prompt_len,
         "tree": None if spec.tree is None else [steps, topk, spec.tree.num_draft_tokens],
         "capture": None if capture is None else capture.as_list(),
         "per_device": {"weights": weights, "drafter_weights": drafter_weights, "kv_cache": kv,
                        "decode_state": state, "temp": temp, "total": total},
         "kv_bytes_per_token": kv_per_token * data, "hbm_bytes": hbm, "fits": total <= hbm,
-        "max_batch": max_batch, "max_context": max_context, "compile_s": compile_s,
+        "max_batch": max_batch, "max_context": max_context,
+        "max_context_memory": memory_context, "max_position_embeddings": limit,
+        "compile_s": compile_s,
     }
     if with_cost:
       t0 = time.perf_counter()
@@ -356,6 +373,14 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
                                     for a in acceptance_lengths},
       })
   return result
+
+
+def _max_context(result: dict) -> str:
+  text = str(result["max_context"])
+  memory = result.get("max_context_memory", result["max_context"])
+  if memory > result["max_context"]:
+    text += f" (the model's max_position_embeddings; memory would hold {memory})"
+  return text
 
 
 def markdown(result: dict) -> str:
@@ -373,7 +398,7 @@ def markdown(result: dict) -> str:
           ("total / device", g(pd["total"])),
           (f"fits {result['hbm_bytes'] / GIB:.0f} GiB", "yes" if result["fits"] else "no"),
           (f"max batch at {result['context']}", str(result["max_batch"])),
-          (f"max context at batch {result['batch']}", str(result["max_context"])),
+          (f"max context at batch {result['batch']}", _max_context(result)),
           ("compile (prefill + decode) here", f"{result['compile_s']:.1f} s")]
   if "roofline_round_s" in result:
     rows += [("FLOPs / round / device", f"{result['flops_per_round']:.3g}"),

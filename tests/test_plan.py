@@ -55,10 +55,31 @@ def test_llama_bytes_match_the_config_arithmetic():
       pd["decode_state"] + pd["temp"]
   assert r["fits"] and r["hbm_bytes"] == int(141 * 2**30)
   assert r["max_batch"] > 2 and r["max_context"] > 256
+  # Memory would hold far more than the model's 4096 positions: the context reported is the
+  # model's limit (it used to be the memory bound alone, past what the model can serve).
+  assert r["max_context_memory"] > 4096 and r["max_context"] == 4096
+  assert r["max_position_embeddings"] == 4096
+  assert "memory would hold" in plan_lib.markdown(r)
   # A memory that only just misses the total does not fit, and then holds no larger batch.
   small = plan_lib.plan(LLAMA, data=1, tensor=8, batch=2, context=256, prompt_len=32,
                         hbm_gib=(pd["total"] - 1) / 2**30, with_cost=False, log=lambda m: None)
   assert not small["fits"] and small["max_batch"] < 2
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch=0), "batch=0 must be a positive integer"),
+    (dict(context=-5), "context=-5 must be a positive integer"),
+    (dict(prompt_len=0), "prompt_len=0 must be a positive integer"),
+    (dict(context=64, prompt_len=128), "prompt_len=128 exceeds context=64"),
+    (dict(hbm_gib=-1.0), "hbm_gib=-1.0 must be a positive number"),
+    (dict(context=8192), "context=8192 exceeds the target's max_position_embeddings=4096"),
+])
+def test_plan_refuses_what_it_cannot_size(kwargs, message):
+  args = dict(data=1, tensor=8, batch=1, context=256, prompt_len=32, with_cost=False,
+              log=lambda m: None)
+  args.update(kwargs)
+  with pytest.raises(ValueError, match=message):
+    plan_lib.plan(LLAMA, **args)
 
 
 def test_drafter_and_deepseek_latent_cache_bytes():
