@@ -140,6 +140,11 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
 
   if runs < 1:
     raise ValueError(f"runs={runs} must be >= 1")
+  if num_prompts < 1 or not batches or min(batches) < 1:
+    raise ValueError(f"--prompts {num_prompts} and --batches {list(batches)} must be >= 1")
+  if max(batches) > num_prompts:
+    raise ValueError(f"--batches {list(batches)}: a batch of {max(batches)} needs at least "
+                     f"that many prompts, but --prompts is {num_prompts}")
   target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
                                  layer_loop=default_layer_loop())
   drafter = eagle3jax.load_drafter(drafter_dir, target=target)
@@ -147,7 +152,7 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
   with open(manifest_path) as f:
     manifest = json.load(f)
   codec = TextCodec(target_dir)
-  prompts = demo.prompts_from(codec.tokenizer, demo.read_files(manifest["heldout"]),
+  prompts = demo.prompts_from(codec.tokenizer, demo.read_split(manifest, "heldout"),
                               num_prompts, prompt_len, seed=1234)
   kw = dict(max_new_tokens=max_new_tokens, eos_ids=[])
   ar_gen = lambda ps: eagle3jax.generate(target, None, ps, **kw)  # noqa: E731

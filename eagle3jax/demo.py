@@ -11,10 +11,13 @@ continuations. Everything is stored in bfloat16.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import sys
 import sysconfig
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -48,7 +51,42 @@ def build_manifest(heldout_mod: int = 10) -> dict:
   heldout = [f for f in files if zlib.crc32(f.encode()) % heldout_mod == 0]
   train = [f for f in files if zlib.crc32(f.encode()) % heldout_mod != 0]
   return {"corpus": "python-stdlib", "split": f"crc32(path) % {heldout_mod} == 0 is held out",
-          "train": train, "heldout": heldout}
+          "python": _python(), "train": train, "heldout": heldout,
+          "train_digest": corpus_digest(read_files(train)),
+          "heldout_digest": corpus_digest(read_files(heldout))}
+
+
+def _python() -> str:
+  return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def corpus_digest(texts: list[str]) -> str:
+  """A digest of the files' contents, in order: what the manifest's split read here."""
+  h = hashlib.sha256()
+  for t in texts:
+    b = t.encode("utf-8", errors="replace")
+    h.update(len(b).to_bytes(8, "little") + b)
+  return h.hexdigest()[:16]
+
+
+def read_split(manifest: dict, split: str) -> list[str]:
+  """The manifest's ``split`` ("train" or "heldout") read from this interpreter's stdlib.
+  Warns when they are not the files the manifest was built from (another Python version's
+  stdlib: files missing or changed), since prompts drawn from them then differ from those the
+  demo's figures (README, the drafter's record) were measured on."""
+  paths = manifest[split]
+  texts = read_files(paths)
+  digest = manifest.get(f"{split}_digest")
+  if digest and corpus_digest(texts) != digest:
+    root = stdlib_root()
+    missing = sum(not os.path.exists(os.path.join(root, p)) for p in paths)
+    warnings.warn(
+        f"the manifest's {split} files as read from {root} (Python {_python()}) differ from "
+        f"those it was built from (Python {manifest.get('python', '?')}): {missing} of "
+        f"{len(paths)} missing, the rest not all the same; prompts drawn from them differ, so "
+        "acceptance measured on them will not match the README's or the drafter's record",
+        stacklevel=2)
+  return texts
 
 
 def read_files(paths: list[str]) -> list[str]:
@@ -150,7 +188,7 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   manifest = build_manifest()
   with open(os.path.join(out_dir, "manifest.json"), "w") as f:
     json.dump(manifest, f, indent=1)
-  train_texts = read_files(manifest["train"])
+  train_texts = read_split(manifest, "train")
   log(f"corpus: {len(manifest['train'])} train files, {len(manifest['heldout'])} held out")
 
   tok = train_tokenizer(train_texts, cfg.vocab_size)
@@ -193,7 +231,7 @@ def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
   """``n`` prompts of the held-out files (the default: the 8 the curves and records use)."""
   with open(os.path.join(out_dir, "manifest.json")) as f:
     manifest = json.load(f)
-  return prompts_from(tok, read_files(manifest["heldout"]), n, HELDOUT["length"], seed)
+  return prompts_from(tok, read_split(manifest, "heldout"), n, HELDOUT["length"], seed)
 
 
 def load_demo_target(out_dir: str):
@@ -273,7 +311,7 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   target, tok = load_demo_target(out_dir)
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
   with open(os.path.join(out_dir, "manifest.json")) as f:
-    train_texts = read_files(json.load(f)["train"])
+    train_texts = read_split(json.load(f), "train")
   calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
   acceptance = monitor.measure_acceptance(
       target, drafter, heldout_prompts(out_dir, tok), monitor.DEFAULT_SHAPES + ((5, 4, 8),),
@@ -300,7 +338,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   drafter_dir = os.path.join(out_dir, "drafter")
   with open(os.path.join(out_dir, "manifest.json")) as f:
     manifest = json.load(f)
-  train_texts = read_files(manifest["train"])
+  train_texts = read_split(manifest, "train")
   target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)

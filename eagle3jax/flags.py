@@ -1,8 +1,11 @@
 """The scripts' integer-list flags (``--mesh 1,8``, ``--capture 1,5,8``, ``--batches 1,4``):
 one parser, so every script refuses a malformed list the same way, naming its flag, instead of
-a traceback from ``int()``."""
+a traceback from ``int()``; and ``check_writable`` for output files, checked before a long run
+rather than after it."""
 
 from __future__ import annotations
+
+import os
 
 
 def parse_ints(text: str, flag: str, *, count: int | None = None,
@@ -29,3 +32,15 @@ def parse_ints(text: str, flag: str, *, count: int | None = None,
   if not values or (count is not None and len(values) != count):
     raise ValueError(f"{flag} {text!r}: expected {form}")
   return values
+
+
+def check_writable(path: str, flag: str) -> None:
+  """Raises ``ValueError`` naming ``flag`` when ``path`` cannot be written: its folder is
+  missing or not writable, or it is a folder itself."""
+  folder = os.path.dirname(os.path.abspath(path))
+  if os.path.isdir(path):
+    raise ValueError(f"{flag} {path!r} is a folder; give a file name")
+  if not os.path.isdir(folder):
+    raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist; create it first")
+  if not os.access(folder, os.W_OK):
+    raise ValueError(f"{flag} {path!r}: folder {folder!r} is not writable")

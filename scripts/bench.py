@@ -10,7 +10,7 @@ import sys
 
 from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
 from eagle3jax.demo import DEFAULT_DIR
-from eagle3jax.flags import parse_ints
+from eagle3jax.flags import check_writable, parse_ints
 
 
 def main() -> int:
@@ -29,6 +29,7 @@ def main() -> int:
   p.add_argument("--out", default="bench.json", help="JSON output; the plot goes beside it")
   args = p.parse_args()
   try:
+    check_writable(args.out, "--out")  # before the run, not after it
     result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
                            max_new_tokens=args.max_new_tokens,
                            batches=parse_ints(args.batches, "--batches"),

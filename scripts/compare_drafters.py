@@ -11,7 +11,7 @@ import sys
 
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
-from eagle3jax.flags import parse_ints
+from eagle3jax.flags import check_writable, parse_ints
 
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -60,6 +60,8 @@ def main() -> int:
   p.add_argument("--json", default=None, help="also write the numbers to this file")
   args = p.parse_args()
   try:
+    if args.json:
+      check_writable(args.json, "--json")  # before the run, not after it
     shapes = _parse_shapes(args.shapes)
     loaded = load_demo_target(args.demo_dir)  # one target for both measurements
     result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,

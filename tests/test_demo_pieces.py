@@ -2,6 +2,9 @@
 tokenizer."""
 
 import dataclasses
+import os
+import pathlib
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -48,6 +51,26 @@ def test_manifest_split_is_fixed_and_disjoint():
   assert not set(a["train"]) & set(a["heldout"])
   assert len(a["heldout"]) > 10 and len(a["train"]) > 10 * len(a["heldout"]) // 2
   assert not any(p.startswith("test" + "/") for p in a["train"] + a["heldout"])
+
+
+def test_manifest_split_warns_when_the_stdlib_differs(tmp_path, monkeypatch):
+  # Prompts are drawn from the running interpreter's stdlib: another Python version's files
+  # give other prompts, and figures that cannot match the README's. That is said, not silent.
+  paths = demo.build_manifest()["heldout"][:3]
+  manifest = {"python": "3.11", "heldout": paths,
+              "heldout_digest": demo.corpus_digest(demo.read_files(paths))}
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    assert demo.read_split(manifest, "heldout") == demo.read_files(paths)
+  root = tmp_path / "lib"
+  for i, p in enumerate(paths[:2]):  # one file changed, one missing
+    (root / os.path.dirname(p)).mkdir(parents=True, exist_ok=True)
+    text = (pathlib.Path(demo.stdlib_root()) / p).read_text(encoding="utf-8", errors="replace")
+    (root / p).write_text(text + ("\n# changed\n" if i == 0 else ""), encoding="utf-8")
+  monkeypatch.setattr(demo, "stdlib_root", lambda: str(root))
+  with pytest.warns(UserWarning, match=r"1 of 3 missing, the rest not all the same.*will not "
+                                       r"match the README's"):
+    demo.read_split(manifest, "heldout")
 
 
 def test_tokenizer_round_trip_and_prompts():

@@ -38,3 +38,26 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
   assert stop.value.code == 2, err
   assert flag in err and "expected" in err and "Traceback" not in err
   assert len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("scripts/bench.py", ["--out", "/nonexistent-dir/b.json"],
+     "--out '/nonexistent-dir/b.json': folder '/nonexistent-dir' does not exist"),
+    ("scripts/compare_drafters.py", ["d", "--json", "/nonexistent-dir/x.json"],
+     "--json '/nonexistent-dir/x.json': folder '/nonexistent-dir' does not exist"),
+    ("scripts/bench.py", ["--out", "tests"], "--out 'tests' is a folder"),
+    # A batch larger than the prompts used to run on fewer rows under the larger label.
+    ("scripts/bench.py", ["--prompts", "1", "--batches", "1,4", "--out", "/tmp/b.json"],
+     "a batch of 4 needs at least that many prompts, but --prompts is 1"),
+])
+def test_scripts_refuse_bad_outputs_and_sizes_before_running(script, argv, message, monkeypatch,
+                                                             capsys):
+  monkeypatch.setattr(sys, "argv", [script] + argv)
+  code = None
+  try:
+    code = runpy.run_path(script, run_name="__main__")
+  except SystemExit as stop:
+    code = stop.code
+  err = capsys.readouterr().err
+  assert code == 2, err
+  assert message in err and "Traceback" not in err, err
