@@ -403,6 +403,28 @@ def drafter_overrides(cfg: DemoConfig) -> dict | None:
   return out or None
 
 
+def check_drafter_recipe(cfg: DemoConfig) -> None:
+  """Refuses a drafter recipe that could not train, before anything is built: its
+  ``TrainConfig``, capture ids and drafter shape against a target of ``cfg``'s shape (so a bad
+  ``--draft-*`` flag fails at once, not after the target's pre-training or the regeneration)."""
+  from eagle3jax.capture import CaptureSpec
+  from eagle3jax.config import LlamaConfig
+  from eagle3jax.drafter import DrafterConfig
+  drafter_train_config(cfg)
+  target_cfg = LlamaConfig(
+      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+      max_position_embeddings=cfg.max_position_embeddings)
+  ids = drafter_capture(cfg)
+  capture = (CaptureSpec(ids) if ids is not None else
+             CaptureSpec.eagle3_default(cfg.num_layers))
+  capture.validate(cfg.num_layers)
+  DrafterConfig.for_target(target_cfg, capture,
+                           draft_vocab_size=min(cfg.draft_vocab_size, cfg.vocab_size),
+                           **(drafter_overrides(cfg) or {}))
+
+
 def plot_curve(curve: list[dict], path: str, title: str = "") -> None:
   """Held-out acceptance length against training steps (PNG)."""
   import matplotlib

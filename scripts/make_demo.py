@@ -12,8 +12,9 @@ import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, make_demo, make_drafter,
-                            plot_curve)
+from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, check_drafter_recipe, make_demo,
+                            make_drafter, plot_curve)
+from eagle3jax.flags import check_writable
 
 
 def main() -> int:
@@ -34,6 +35,8 @@ def main() -> int:
   logging.basicConfig(format="%(message)s")
   logging.getLogger("eagle3jax").setLevel(logging.INFO)  # the learning curve as it is measured
   try:
+    check_drafter_recipe(cfg)  # at once, not after the target's 42 minutes
+    check_writable(args.curve, "--curve")
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.drafter_only:
       curve = make_drafter(args.out, cfg, log=log, state_dir=args.state_dir)

@@ -73,6 +73,20 @@ def test_manifest_split_warns_when_the_stdlib_differs(tmp_path, monkeypatch):
     demo.read_split(manifest, "heldout")
 
 
+@pytest.mark.parametrize("field, value, message", [
+    ("draft_head_dim", 7, "head_dim=7 must be a positive even number"),
+    ("draft_head_init", "bogus", "head_init='bogus'"),
+    ("draft_capture", "1,5,12", r"out of range for a target with 12"),
+    ("draft_lr", float("nan"), "learning_rate=nan must be a finite number"),
+])
+def test_drafter_recipe_is_checked_before_anything_is_built(field, value, message):
+  # make_demo.py runs this first: a bad --draft-* flag used to fail after the target's
+  # pre-training (about 42 minutes) or the regeneration.
+  demo.check_drafter_recipe(demo.DemoConfig())
+  with pytest.raises(ValueError, match=message):
+    demo.check_drafter_recipe(demo.DemoConfig(**{field: value}))
+
+
 def test_tokenizer_round_trip_and_prompts():
   texts = demo.read_files(demo.build_manifest()["heldout"][:5])
   tok = demo.train_tokenizer(texts, 400)
