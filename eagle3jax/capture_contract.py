@@ -290,9 +290,13 @@ class CaptureRecord:
   @classmethod
   def from_json(cls, d: dict, where: str) -> "CaptureRecord":
     try:
+      if not isinstance(d, dict):
+        raise ValueError("it is not a JSON object")
       if d.get("version") != RECORD_VERSION:
         raise ValueError(f"version {d.get('version')!r}, expected {RECORD_VERSION}")
       capture = tuple(int(i) for i in d["capture"])
+      if any(int(t) < 0 for t in d["calibration_ids"]):
+        raise ValueError("negative calibration ids")
       arr = lambda a: tuple(map(tuple, np.asarray(a, np.float32).tolist()))  # noqa: E731
       feats = tuple(arr(d["features"][str(i)]) for i in capture)
       fp = d["target_fingerprint"]
@@ -302,7 +306,7 @@ class CaptureRecord:
                  tuple(sorted((str(k), float(v))
                               for k, v in d.get("heldout_acceptance", {}).items())),
                  int(d.get("target_layers", 0)))
-    except (KeyError, TypeError, ValueError) as e:
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
       raise ValueError(f"{where} is not a valid eagle3jax capture record ({e}); delete it to "
                        "load the drafter with the probe instead") from None
 

@@ -152,7 +152,8 @@ def _run(args) -> int:
   rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
           ("accept length (mean)", f"{report['accept_length_mean']:.2f}"),
           ("accept length (held-out)", "not recorded" if report["accept_length_recorded"]
-           is None else f"{report['accept_length_recorded']:.2f} (drafter's record, this tree)"),
+           is None else f"{report['accept_length_recorded']:.2f} (drafter's greedy record, this "
+                    "tree)"),
           ("acceptance per position",
            " ".join(f"{a:.2f}" for a in report["acceptance_per_position"])),
           ("tokens/s", f"{report['tokens_per_s']:.1f}")]

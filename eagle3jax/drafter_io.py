@@ -233,9 +233,10 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
         return np.zeros(shape, np.int32)  # full vocabulary: draft id == target id
       if name == "t2d" and cfg.draft_vocab_size == cfg.vocab_size:
         return np.ones(shape, bool)
-      raise ValueError(f"{where} is missing weight {hf_name!r}"
-                       + (" (without d2t, draft ids cannot be mapped to target ids)"
-                          if name in ("d2t", "t2d") else ""))
+      raise ValueError(f"{where} is missing weight {hf_name!r}" + {
+          "d2t": " (without d2t, draft ids cannot be mapped to target ids)",
+          "t2d": " (without t2d, the target ids of the draft vocabulary are not marked)",
+      }.get(name, ""))
     used.add(hf_name)
     w = tensors.get(hf_name)
     try:

@@ -224,6 +224,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                      f"target is on {platform}: use 'xla', or 'pallas_interpret' (the kernel "
                      "interpreted, for tests)")
   longest = max(len(p) for p in prompts)
+  if max_new_tokens >= cfg.max_position_embeddings:
+    raise ValueError(f"max_new_tokens={max_new_tokens} leaves no room for a prompt within the "
+                     f"target's max_position_embeddings={cfg.max_position_embeddings}; lower it")
   if longest + max_new_tokens > cfg.max_position_embeddings:
     raise ValueError(
         f"prompt too long: the longest prompt has {longest} tokens and max_new_tokens="

@@ -102,7 +102,11 @@ class SafetensorsDir:
     self._where: dict[str, str] = {}
     if os.path.exists(index):
       with open(index) as f:
-        weight_map = json.load(f).get("weight_map")
+        try:
+          data = json.load(f)
+        except ValueError as e:
+          raise ValueError(f"{index} is not valid JSON ({e})") from None
+      weight_map = data.get("weight_map") if isinstance(data, dict) else None
       if not isinstance(weight_map, dict):
         raise ValueError(f"{index} has no 'weight_map' object")
       for name, fname in weight_map.items():

@@ -11,6 +11,8 @@ so no other module picks axis types.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
@@ -51,11 +53,14 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
         f"({jax.local_device_count()} per process); a multi-process mesh must span every "
         f"device: choose DATA*TENSOR={len(devices)}")
   if len(devices) < need:
+    platform = devices[0].platform if devices else "none"
+    forced = "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", "")
+    hint = ("choose a mesh of at most that many devices" if platform != "cpu" or forced else
+            "on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing "
+            "jax, or choose a smaller mesh")
     raise ValueError(
         f"make_mesh(data={data}, tensor={tensor}) needs {need} devices but only "
-        f"{len(devices)} are available ({devices[0].platform if devices else 'none'}). "
-        "On CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8 before importing jax, "
-        "or choose a smaller mesh.")
+        f"{len(devices)} are available ({platform}): {hint}")
   return jax.make_mesh(
       (data, tensor), MESH_AXES, axis_types=(AxisType.Explicit, AxisType.Explicit),
       devices=devices[:need])

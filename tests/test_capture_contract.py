@@ -122,10 +122,15 @@ def test_other_target_of_the_same_shape_is_refused(saved):
 
 def test_corrupt_record_is_named(saved, target, tmp_path):
   path = _copy(saved, tmp_path)
-  with open(os.path.join(path, contract.RECORD_FILE), "w") as f:
-    json.dump({"version": 1, "capture": [1]}, f)
-  with pytest.raises(ValueError, match="not a valid eagle3jax capture record"):
-    eagle3jax.load_drafter(path, target=target)
+  file = os.path.join(path, contract.RECORD_FILE)
+  with open(file) as f:
+    good = json.load(f)
+  for bad in ({"version": 1, "capture": [1]}, [], {**good, "heldout_acceptance": "x"},
+              {**good, "calibration_ids": [-3] + good["calibration_ids"][1:]}):
+    with open(file, "w") as f:
+      json.dump(bad, f)
+    with pytest.raises(ValueError, match="not a valid eagle3jax capture record"):
+      eagle3jax.load_drafter(path, target=target)
 
 
 # --- the probe (drafters without a record) ------------------------------------------------
@@ -278,6 +283,7 @@ def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
     (dict(eos_ids="51"), r"eos_ids='51' must be a list of token ids"),
     (dict(eos_ids=2), r"eos_ids=2 must be a list of token ids"),
     (dict(max_new_tokens=True), r"max_new_tokens=True must be an integer"),
+    (dict(max_new_tokens=10**11), r"max_new_tokens=100000000000 leaves no room for a prompt"),
     (dict(num_steps=2.0), r"num_steps=2.0 must be an integer"),
     (dict(topk=2, num_steps=2, num_draft_tokens=4.0), r"num_draft_tokens=4.0 must be an integer"),
     (dict(seed=2**32), r"seed=4294967296 must be below 2\*\*32"),

@@ -144,6 +144,15 @@ def test_files_that_are_not_safetensors_are_named(checkpoint, content, message):
     eagle3jax.load_target(str(checkpoint))
 
 
+@pytest.mark.parametrize("content, message", [
+    ("[]", "has no 'weight_map' object"), ("{", "is not valid JSON"),
+])
+def test_bad_shard_index_is_named(checkpoint, content, message):
+  (checkpoint / "model.safetensors.index.json").write_text(content)
+  with pytest.raises(ValueError, match=f"model.safetensors.index.json {message}"):
+    eagle3jax.load_target(str(checkpoint))
+
+
 def test_missing_weight_is_named(checkpoint):
   _edit_weights(checkpoint, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
   with pytest.raises(ValueError, match="missing weight 'model.layers.1.mlp.up_proj.weight'"):
