@@ -148,9 +148,7 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
   target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
                                  layer_loop=default_layer_loop())
   drafter = eagle3jax.load_drafter(drafter_dir, target=target)
-  manifest_path = os.path.join(os.path.dirname(os.path.abspath(target_dir)), "manifest.json")
-  with open(manifest_path) as f:
-    manifest = json.load(f)
+  manifest = demo.read_manifest(os.path.dirname(os.path.abspath(target_dir)))
   codec = TextCodec(target_dir)
   prompts = demo.prompts_from(codec.tokenizer, demo.read_split(manifest, "heldout"),
                               num_prompts, prompt_len, seed=1234)

@@ -78,6 +78,10 @@ def config_ids(hf: dict) -> tuple[list[int] | None, str | None]:
   if recorded is not None and recorded not in CONVENTIONS:
     raise ValueError(f"drafter config aux_layer_convention={recorded!r} is not 'input' or "
                      "'output'")
+  if ids is not None and (not isinstance(ids, (list, tuple)) or any(
+      isinstance(i, bool) or not isinstance(i, int) for i in ids)):
+    raise ValueError(f"drafter config {IDS_KEY}={ids!r} must be a JSON list of integer layer "
+                     "ids, e.g. [1, 5, 8]")
   return (None if ids is None else [int(i) for i in ids]), recorded
 
 

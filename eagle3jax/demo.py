@@ -226,12 +226,29 @@ HELDOUT = dict(n=8, length=48, seed=1234)
 HELDOUT_NEW_TOKENS = 128
 
 
+def read_manifest(out_dir: str) -> dict:
+  """``out_dir/manifest.json`` of a demo folder (``make_demo`` writes it beside ``target/``),
+  or a ``ValueError`` that says what is expected there."""
+  path = os.path.join(out_dir, "manifest.json")
+  if not os.path.exists(path):
+    raise ValueError(f"{out_dir!r} has no manifest.json: held-out and training prompts come "
+                     "from a demo folder (manifest.json beside target/ and drafter/, as "
+                     "make_demo.py writes it); pass such a folder, e.g. models/default")
+  try:
+    with open(path) as f:
+      manifest = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON ({e})") from None
+  if not isinstance(manifest, dict) or not {"train", "heldout"} <= set(manifest):
+    raise ValueError(f"{path} must be a JSON object with 'train' and 'heldout' file lists")
+  return manifest
+
+
 def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
                     seed: int = HELDOUT["seed"]) -> list[list[int]]:
   """``n`` prompts of the held-out files (the default: the 8 the curves and records use)."""
-  with open(os.path.join(out_dir, "manifest.json")) as f:
-    manifest = json.load(f)
-  return prompts_from(tok, read_split(manifest, "heldout"), n, HELDOUT["length"], seed)
+  return prompts_from(tok, read_split(read_manifest(out_dir), "heldout"), n,
+                      HELDOUT["length"], seed)
 
 
 def load_demo_target(out_dir: str):
@@ -310,8 +327,7 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   drafter_dir = os.path.join(out_dir, "drafter")
   target, tok = load_demo_target(out_dir)
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
-  with open(os.path.join(out_dir, "manifest.json")) as f:
-    train_texts = read_split(json.load(f), "train")
+  train_texts = read_split(read_manifest(out_dir), "train")
   calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
   acceptance = monitor.measure_acceptance(
       target, drafter, heldout_prompts(out_dir, tok), monitor.DEFAULT_SHAPES + ((5, 4, 8),),
@@ -336,9 +352,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   from eagle3jax.training import train_drafter
 
   drafter_dir = os.path.join(out_dir, "drafter")
-  with open(os.path.join(out_dir, "manifest.json")) as f:
-    manifest = json.load(f)
-  train_texts = read_split(manifest, "train")
+  train_texts = read_split(read_manifest(out_dir), "train")
   target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)

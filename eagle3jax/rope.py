@@ -85,6 +85,9 @@ class RopeConfig:
     ``rope_type``, ``rope_theta`` and the scaling fields. ``rope_types`` are the types the
     calling model implements.
     """
+    for key in ("rope_parameters", "rope_scaling"):
+      if hf.get(key) is not None and not isinstance(hf[key], Mapping):
+        raise ValueError(f"config field {key}={hf[key]!r} must be a JSON object (or null)")
     params = hf.get("rope_parameters")
     if params is not None:
       params = dict(params)

@@ -87,6 +87,16 @@ def test_drafter_recipe_is_checked_before_anything_is_built(field, value, messag
     demo.check_drafter_recipe(demo.DemoConfig(**{field: value}))
 
 
+def test_read_manifest_says_what_a_demo_folder_holds(tmp_path):
+  with pytest.raises(ValueError, match="has no manifest.json: held-out and training prompts "
+                                       "come from a demo folder"):
+    demo.read_manifest(str(tmp_path))
+  (tmp_path / "manifest.json").write_text("[]")
+  with pytest.raises(ValueError, match="with 'train' and 'heldout' file lists"):
+    demo.read_manifest(str(tmp_path))
+  assert demo.read_manifest(demo.DEFAULT_DIR)["heldout"]
+
+
 def test_tokenizer_round_trip_and_prompts():
   texts = demo.read_files(demo.build_manifest()["heldout"][:5])
   tok = demo.train_tokenizer(texts, 400)

@@ -110,6 +110,12 @@ def test_config_refuses_what_it_does_not_implement():
       eagle3jax.LlamaConfig.from_hf({**base, "rms_norm_eps": eps})
   with pytest.raises(ValueError, match="rope_theta=inf must be a finite positive number"):
     eagle3jax.LlamaConfig.from_hf({**base, "rope_theta": float("inf")})
+  with pytest.raises(ValueError, match="rope_scaling='yes' must be a JSON object"):
+    eagle3jax.LlamaConfig.from_hf({**base, "rope_scaling": "yes"})
+  from eagle3jax.capture_contract import config_ids
+  with pytest.raises(ValueError, match=r"eagle_aux_hidden_state_layer_ids='1,5,8' must be a "
+                                       r"JSON list of integer layer ids"):
+    config_ids({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "1,5,8"}})
   with pytest.raises(ValueError, match="looks like an EAGLE-3 drafter's"):
     eagle3jax.LlamaConfig.from_hf({**base, "draft_vocab_size": 4, "target_hidden_size": 8})
 
