@@ -43,7 +43,10 @@ class CaptureSpec:
 
   def __post_init__(self):
     bad = [i for i in self.layer_ids
-           if isinstance(i, (bool, np.bool_)) or not isinstance(i, (int, np.integer))]
+           if isinstance(i, (bool, np.bool_)) or not (
+               isinstance(i, (int, np.integer)) or (isinstance(i, (np.ndarray, jax.Array))
+                                                    and i.ndim == 0
+                                                    and np.issubdtype(i.dtype, np.integer)))]
     if bad:
       raise ValueError(f"CaptureSpec.layer_ids={list(self.layer_ids)} must be integer layer ids; "
                        f"got {bad}")
@@ -98,7 +101,9 @@ def as_capture_spec(capture: "CaptureSpec | Sequence[int] | None") -> CaptureSpe
   """Accepts a CaptureSpec, a list of ids or None."""
   if capture is None or isinstance(capture, CaptureSpec):
     return capture
-  if isinstance(capture, (str, bytes)) or not isinstance(capture, (Sequence, np.ndarray)):
+  if isinstance(capture, (np.ndarray, jax.Array)):
+    capture = np.asarray(capture).reshape(-1).tolist()
+  if isinstance(capture, (str, bytes)) or not isinstance(capture, Sequence):
     raise ValueError(f"capture={capture!r} must be a CaptureSpec or a list of layer ids "
                      "(e.g. [1, 5, 8])")
   return CaptureSpec(tuple(capture))

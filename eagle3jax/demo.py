@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 import os
-import sys
+import platform
 import sysconfig
 import time
 import warnings
@@ -57,7 +57,7 @@ def build_manifest(heldout_mod: int = 10) -> dict:
 
 
 def _python() -> str:
-  return f"{sys.version_info.major}.{sys.version_info.minor}"
+  return platform.python_version()  # patch releases change stdlib files too
 
 
 def corpus_digest(texts: list[str]) -> str:

@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3jax import engine as eng
-from eagle3jax.attention import ATTENTION_IMPLS, default_attention_impl
+from eagle3jax.attention import ATTENTION_IMPLS
 from eagle3jax import capture_contract as contract
 from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec
@@ -179,7 +179,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       ``num_steps + 1`` tokens; then ``num_draft_tokens`` is set to ``num_steps + 1``).
     capture: None uses the drafter's recorded capture; any other must equal it.
     eos_ids: None takes the target config's EOS ids; ``[]`` disables stopping on EOS.
-    seed: sampling seed, an integer in ``[0, 2**32)`` (one key per row is derived from it).
+    seed: sampling seed, an integer in ``[-2**31, 2**32)`` (one key per row is derived from
+      it).
     attention_impl: target attention (default: the Pallas kernel on GPU, XLA elsewhere).
     on_tokens: called after every round with the tokens emitted so far (streaming); this
       costs one host sync per round.
@@ -208,17 +209,17 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
     raise ValueError("seed must be an integer, not a PRNG key: generate derives one key per "
                      "row from it")
-  seed = _integer("seed", seed, 0)
-  if seed >= 2**32:
-    raise ValueError(f"seed={seed} must be below 2**32 (JAX keys hold 32 bits: larger seeds "
-                     "would repeat smaller ones)")
+  seed = _integer("seed", seed)
+  if not -2**31 <= seed < 2**32:
+    raise ValueError(f"seed={seed} must be in [-2**31, 2**32) (JAX keys hold 32 bits: other "
+                     "seeds would repeat these)")
   if on_tokens is not None and not callable(on_tokens):
     raise ValueError(f"on_tokens must be a function of the tokens so far, or None; got "
                      f"{type(on_tokens).__name__}")
-  impl = attention_impl or default_attention_impl()
+  platform = target.mesh.devices.flat[0].platform
+  impl = attention_impl or ("pallas" if platform == "gpu" else "xla")
   if impl not in ATTENTION_IMPLS:
     raise ValueError(f"attention_impl={impl!r}; choose one of {ATTENTION_IMPLS}")
-  platform = target.mesh.devices.flat[0].platform
   if impl == "pallas" and platform != "gpu":
     raise ValueError(f"attention_impl='pallas' compiles the Pallas kernel for GPUs; this "
                      f"target is on {platform}: use 'xla', or 'pallas_interpret' (the kernel "
@@ -256,8 +257,12 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=temperature == 0.0,
                                                            top_k=int(top_k)),
                         capture=spec_capture, attention_impl=impl)
+  if isinstance(eos_ids, (np.ndarray, jax.Array)):
+    eos_ids = np.asarray(eos_ids).reshape(-1).tolist()
+  if isinstance(eos_ids, (set, frozenset)):
+    eos_ids = sorted(eos_ids)
   if eos_ids is not None and (isinstance(eos_ids, (str, bytes))
-                              or not isinstance(eos_ids, (Sequence, np.ndarray))):
+                              or not isinstance(eos_ids, Sequence)):
     raise ValueError(f"eos_ids={eos_ids!r} must be a list of token ids (or None for the "
                      "target config's, [] for none)")
   eos = (cfg.eos_token_ids if eos_ids is None else

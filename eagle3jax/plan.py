@@ -36,6 +36,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import time
 
 import jax
@@ -273,7 +274,7 @@ def round_cost(graphdef, params, target, capture, spec, *, batch, max_len, decod
 
 def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor: int = 8,
          hbm_gib: float | None = None, device: str = "h200", batch: int = 1,
-         context: int = 32768, prompt_len: int = 2048, quantization: str = "keep",
+         context: int = 32768, prompt_len: int | None = None, quantization: str = "keep",
          dtype=jnp.bfloat16, steps: int = 7, topk: int = 1, draft_tokens: int = 8,
          acceptance_lengths=(3.0, 5.0), with_cost: bool = True, log=print) -> dict:
   """Compiles the serving programs of a published config on a (fake) mesh and sizes them.
@@ -285,7 +286,8 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     hbm_gib: device memory (default: the device's).
     device: ``h200`` or ``h100`` (roofline peaks).
     batch, context: batch size and cache length to compile.
-    prompt_len: prefill length compiled (prefill runs the prompt in one pass).
+    prompt_len: prefill length compiled (prefill runs the prompt in one pass; default
+      ``min(2048, context)``).
     quantization: ``keep`` (weights as the config declares them) or ``dequantize``.
     steps, topk, draft_tokens: draft tree (ignored without a drafter).
     acceptance_lengths: acceptance lengths to turn the roofline round time into tokens/s.
@@ -302,12 +304,15 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     raise ValueError(f"device={device!r}; choose one of {sorted(DEVICES)}")
   if quantization not in ("keep", "dequantize"):
     raise ValueError(f"quantization={quantization!r}; choose 'keep' or 'dequantize'")
+  if prompt_len is None and isinstance(context, numbers.Integral):
+    prompt_len = min(2048, context)
   for name, value in (("batch", batch), ("context", context), ("prompt_len", prompt_len)):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive integer")
   if prompt_len > context:
     raise ValueError(f"prompt_len={prompt_len} exceeds context={context}: the prompt must fit "
                      "the cache; lower --prompt-len or raise --context")
+  batch, context, prompt_len = int(batch), int(context), int(prompt_len)
   if hbm_gib is not None and not 0 < hbm_gib < float("inf"):
     raise ValueError(f"hbm_gib={hbm_gib!r} must be a positive number of GiB")
   dev = DEVICES[device]

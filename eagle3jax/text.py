@@ -28,7 +28,7 @@ class TextCodec:
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(cfg_path):
       try:
-        with open(cfg_path) as f:
+        with open(cfg_path, encoding="utf-8") as f:
           cfg = json.load(f)
       except ValueError as e:
         raise ValueError(f"{cfg_path} is not valid JSON ({e})") from None
@@ -39,7 +39,7 @@ class TextCodec:
       self.bos_token = bos.get("content") if isinstance(bos, dict) else bos
     jinja_path = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja_path):  # where transformers saves it now; it wins, as there
-      with open(jinja_path) as f:
+      with open(jinja_path, encoding="utf-8") as f:
         self.chat_template = f.read()
 
   def encode_prompt(self, text: str) -> list[int]:

@@ -47,7 +47,7 @@ def main() -> int:
         json.dump({"config": dataclasses.asdict(cfg), "curve": curve}, f, indent=1)
       plot_curve(curve, os.path.splitext(args.curve)[0] + ".png")
       log(f"wrote {args.curve} and its plot")
-  except (ValueError, OSError) as e:
+  except (ValueError, OSError, FloatingPointError) as e:
     print(f"make_demo.py: error: {e}", file=sys.stderr)
     return 2
   return 0

@@ -23,7 +23,8 @@ def main() -> int:
   p.add_argument("--hbm-gib", type=float, default=None, help="default: the device's")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--context", type=int, default=32768, help="cache length")
-  p.add_argument("--prompt-len", type=int, default=2048, help="prefill length compiled")
+  p.add_argument("--prompt-len", type=int, default=None,
+                 help="prefill length compiled (default: 2048, or the context if shorter)")
   p.add_argument("--quantization", default="keep", choices=("keep", "dequantize"))
   p.add_argument("--steps", type=int, default=7)
   p.add_argument("--topk", type=int, default=1)

@@ -164,7 +164,7 @@ def run(argv=None) -> int:
                if args.capture else None)
     result = eagle3jax.train_drafter(target, prompts, args.out, config, capture=capture,
                                      progress=not args.no_progress, heldout_prompts=heldout)
-  except (ValueError, OSError) as e:
+  except (ValueError, OSError, FloatingPointError) as e:
     print(f"train_drafter.py: error: {e}", file=sys.stderr)
     return 2
   if not distributed.is_main_process():

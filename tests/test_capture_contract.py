@@ -286,7 +286,7 @@ def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
     (dict(max_new_tokens=10**11), r"max_new_tokens=100000000000 leaves no room for a prompt"),
     (dict(num_steps=2.0), r"num_steps=2.0 must be an integer"),
     (dict(topk=2, num_steps=2, num_draft_tokens=4.0), r"num_draft_tokens=4.0 must be an integer"),
-    (dict(seed=2**32), r"seed=4294967296 must be below 2\*\*32"),
+    (dict(seed=2**32), r"seed=4294967296 must be in \[-2\*\*31, 2\*\*32\)"),
     (dict(seed=None), r"seed=None must be an integer"),
     (dict(temperature=None), r"temperature=None must be a number"),
     (dict(temperature="0.7"), r"temperature='0.7' must be a number"),
@@ -332,6 +332,14 @@ def test_generate_takes_arrays_and_jax_scalars(saved, target):
     assert eagle3jax.generate(target, dr, prompts, max_new_tokens=4).tokens == ref
   assert eagle3jax.generate(target, dr, [[3, 4, 5]], max_new_tokens=jnp.int32(4),
                             temperature=jnp.float32(0.0), seed=np.int64(1)).tokens == ref
+  # EOS ids as a set or an array, negative seeds (JAX's keys take them): as before.
+  for eos in ({2}, np.array([2]), jnp.array([2])):
+    eagle3jax.generate(target, dr, [[3, 4, 5]], max_new_tokens=4, eos_ids=eos)
+  sampled = dict(max_new_tokens=4, temperature=1.0)
+  assert (eagle3jax.generate(target, dr, [[3, 4, 5]], seed=np.int64(1), **sampled).tokens
+          == eagle3jax.generate(target, dr, [[3, 4, 5]], seed=1, **sampled).tokens)
+  assert (eagle3jax.generate(target, dr, [[3, 4, 5]], seed=-1, **sampled).tokens
+          == eagle3jax.generate(target, dr, [[3, 4, 5]], seed=2**32 - 1, **sampled).tokens)
 
 
 def test_include_embedding_false_leaves_it_out(target, tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import platform
 import warnings
 
 import jax.numpy as jnp
@@ -29,12 +30,14 @@ def test_shipped_folder_is_complete_and_small():
     manifest = json.load(f)
   assert manifest["train"] and manifest["heldout"]
   assert not set(manifest["train"]) & set(manifest["heldout"])
-  # This interpreter's stdlib is the one the demo was built and measured on (else every
-  # held-out figure here would be measured on other prompts: demo.read_split warns).
-  with warnings.catch_warnings():
-    warnings.simplefilter("error")
-    demo.read_split(manifest, "heldout")
-    demo.read_split(manifest, "train")
+  assert manifest["python"] and manifest["train_digest"] and manifest["heldout_digest"]
+  if manifest["python"] == platform.python_version():
+    # The interpreter the demo was built and measured on (CI's): its stdlib gives the same
+    # files, so no warning (demo.read_split warns where the prompts would differ).
+    with warnings.catch_warnings():
+      warnings.simplefilter("error")
+      demo.read_split(manifest, "heldout")
+      demo.read_split(manifest, "train")
   for name in ("config.json", "model.safetensors", "tokenizer.json"):
     assert os.path.exists(os.path.join(DEFAULT_TARGET, name))
   with open(os.path.join(DEFAULT_DRAFTER, "config.json")) as f:

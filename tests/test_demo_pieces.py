@@ -57,7 +57,7 @@ def test_manifest_split_warns_when_the_stdlib_differs(tmp_path, monkeypatch):
   # Prompts are drawn from the running interpreter's stdlib: another Python version's files
   # give other prompts, and figures that cannot match the README's. That is said, not silent.
   paths = demo.build_manifest()["heldout"][:3]
-  manifest = {"python": "3.11", "heldout": paths,
+  manifest = {"python": "3.11.7", "heldout": paths,
               "heldout_digest": demo.corpus_digest(demo.read_files(paths))}
   with warnings.catch_warnings():
     warnings.simplefilter("error")

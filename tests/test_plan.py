@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from eagle3jax import plan as plan_lib
@@ -82,12 +83,20 @@ def test_plan_refuses_what_it_cannot_size(kwargs, message):
     plan_lib.plan(LLAMA, **args)
 
 
+def test_plan_default_prompt_fits_a_short_context():
+  # --context below the 2048-token default prefill: the prefill shrinks to the context (it is
+  # only an explicit --prompt-len longer than the context that is refused).
+  r = plan_lib.plan(LLAMA, data=1, tensor=8, batch=1, context=np.int64(256), with_cost=False,
+                    log=lambda m: None)
+  assert r["prompt_len"] == 256 and r["context"] == 256
+
+
 def test_drafter_and_deepseek_latent_cache_bytes():
   from tests import deepseek_models  # pylint: disable=import-outside-toplevel
   hf = deepseek_models.to_published_style(deepseek_models.hf_config(layers=3).to_dict())
   hf["architectures"] = ["DeepseekV3ForCausalLM"]
-  r = plan_lib.plan(hf, data=2, tensor=4, batch=2, context=128, prompt_len=16,
-                    with_cost=False, log=lambda m: None)
+  r = plan_lib.plan(hf, data=2, tensor=4, batch=2, context=64, prompt_len=16,
+                    with_cost=False, log=lambda m: None)  # the tiny model's 64 positions
   # The MLA latent cache: kv_lora_rank + qk_rope_head_dim per token and layer, replicated over
   # the tensor axis, batch over data.
   per_token = hf["num_hidden_layers"] * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * 2

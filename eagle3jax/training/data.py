@@ -43,11 +43,14 @@ class TrainingData:
     lengths: ``[M]`` int32 real lengths.
     source: ``data_source`` of the prompts and settings it was regenerated from ("" when
       unknown: data written before it was recorded).
+    target: the regenerating target's fingerprint (``capture_contract.target_fingerprint``)
+      as JSON ("" when unknown).
   """
   tokens: np.ndarray
   loss_mask: np.ndarray
   lengths: np.ndarray
   source: str = ""
+  target: str = ""
 
   def __post_init__(self):
     if self.tokens.ndim != 2 or self.tokens.shape != self.loss_mask.shape:
@@ -72,24 +75,27 @@ class TrainingData:
     """Writes an ``.npz`` atomically (temporary file, then rename)."""
     tmp = path + ".tmp.npz"
     np.savez(tmp, tokens=self.tokens, loss_mask=self.loss_mask, lengths=self.lengths,
-             source=np.asarray(self.source))
+             source=np.asarray(self.source), target=np.asarray(self.target))
     os.replace(tmp, path)
 
   @classmethod
   def load(cls, path: str) -> "TrainingData":
     with np.load(path) as f:
-      source = str(f["source"]) if "source" in f.files else ""
+      text = lambda key: str(f[key]) if key in f.files else ""  # noqa: E731
       return cls(f["tokens"].astype(np.int32), f["loss_mask"].astype(bool),
-                 f["lengths"].astype(np.int32), source)
+                 f["lengths"].astype(np.int32), text("source"), text("target"))
 
 
 def data_source(prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-                seed: int) -> str:
+                seed: int, batch_size: int) -> str:
   """A digest of what regenerated data depends on: the prompts, the response length and the
-  sampling (the seed only when sampling: greedy responses do not depend on it)."""
+  sampling (the seed and the batch size that splits it only when sampling: greedy responses
+  depend on neither). The target is recorded beside it (``TrainingData.target``)."""
+  sampled = temperature > 0
   h = hashlib.sha256(json.dumps({
       "max_new_tokens": int(max_new_tokens), "temperature": float(temperature),
-      "seed": int(seed) if temperature > 0 else None}).encode())
+      "seed": int(seed) if sampled else None,
+      "batch_size": int(batch_size) if sampled else None}).encode())
   for p in prompts:
     ids = np.asarray(p, np.int64).ravel()
     h.update(np.int64(ids.size).tobytes() + ids.tobytes())
