@@ -34,8 +34,9 @@ def parser() -> argparse.ArgumentParser:
   # The default tree is the benchmark's best batch-1 setting on the shipped pair (README).
   p.add_argument("--steps", type=int, default=7, help="draft steps (tree depth)")
   p.add_argument("--topk", type=int, default=1, help="branching per draft step (1 = chain)")
-  p.add_argument("--draft-tokens", type=int, default=8,
-                 help="verified tokens per round, root included (chains use steps + 1)")
+  p.add_argument("--draft-tokens", type=int, default=None,
+                 help="verified tokens per round, root included (default 8; a chain, --topk 1, "
+                      "always verifies steps + 1)")
   p.add_argument("--mesh", default="1,1", help="DATA,TENSOR mesh shape")
   p.add_argument("--aux-layer-convention", choices=("input", "output", "auto"), default=None,
                  help="needed only for drafters whose config gives capture ids without one "
@@ -101,7 +102,11 @@ def _run(args) -> int:
     prompt = codec.encode_prompt(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-  spec_kw = dict(num_steps=args.steps, topk=args.topk, num_draft_tokens=args.draft_tokens)
+  draft_tokens = 8 if args.draft_tokens is None else args.draft_tokens
+  if args.topk == 1 and args.draft_tokens not in (None, args.steps + 1) and main:
+    print(f"note: --topk 1 drafts a chain of --steps + 1 = {args.steps + 1} tokens; "
+          f"--draft-tokens {args.draft_tokens} is not used", file=sys.stderr)
+  spec_kw = dict(num_steps=args.steps, topk=args.topk, num_draft_tokens=draft_tokens)
 
   printed = [0]
 

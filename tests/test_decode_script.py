@@ -55,6 +55,15 @@ def test_streaming_text_and_stats_table(dirs, capsys):
   assert "accept length (held-out)" in out and "not recorded" in out  # none at (3, 2, 5)
 
 
+def test_draft_tokens_unused_by_a_chain_is_said(dirs, capsys):
+  target, drafter = dirs
+  assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "4", "--steps", "3", "--topk", "1", "--draft-tokens", "6",
+              "--json"]) == 0
+  err = capsys.readouterr().err
+  assert "--topk 1 drafts a chain of --steps + 1 = 4 tokens; --draft-tokens 6 is not used" in err
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--target", "/nonexistent"], "--target '/nonexistent' is not a directory"),
     (["--mesh", "1"], "expected DATA,TENSOR"),
