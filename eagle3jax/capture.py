@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax.checks import is_integer
 from eagle3jax.sharding import BATCH, EMBED, SEQ, shard
 
 EMBEDDING = -1
@@ -42,11 +43,7 @@ class CaptureSpec:
   layout: tuple[str | None, ...] = (BATCH, SEQ, EMBED)
 
   def __post_init__(self):
-    bad = [i for i in self.layer_ids
-           if isinstance(i, (bool, np.bool_)) or not (
-               isinstance(i, (int, np.integer)) or (isinstance(i, (np.ndarray, jax.Array))
-                                                    and i.ndim == 0
-                                                    and np.issubdtype(i.dtype, np.integer)))]
+    bad = [i for i in self.layer_ids if not is_integer(i)]
     if bad:
       raise ValueError(f"CaptureSpec.layer_ids={list(self.layer_ids)} must be integer layer ids; "
                        f"got {bad}")

@@ -11,6 +11,7 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
+from eagle3jax import checks
 from eagle3jax.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -73,9 +74,7 @@ class LlamaConfig:
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if not 0 < self.rms_norm_eps < 1:  # NaN, 0, negative or huge: NaN or flat activations
-      raise ValueError(f"config field rms_norm_eps={self.rms_norm_eps!r} must be a small "
-                       "positive number (typically 1e-6 or 1e-5)")
+    checks.norm_eps("config field rms_norm_eps", self.rms_norm_eps)
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "num_key_value_heads"):
       value = getattr(self, name)

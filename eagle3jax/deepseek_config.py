@@ -12,6 +12,7 @@ import dataclasses
 import functools
 from typing import Any, Mapping
 
+from eagle3jax import checks
 from eagle3jax.config import _IGNORED_HF_FIELDS
 from eagle3jax.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
@@ -94,9 +95,7 @@ class DeepseekConfig:
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if not 0 < self.rms_norm_eps < 1:  # NaN, 0, negative or huge: NaN or flat activations
-      raise ValueError(f"config field rms_norm_eps={self.rms_norm_eps!r} must be a small "
-                       "positive number (typically 1e-6 or 1e-5)")
+    checks.norm_eps("config field rms_norm_eps", self.rms_norm_eps)
     for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
                  "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
                  "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",

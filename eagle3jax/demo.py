@@ -198,12 +198,7 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   log(f"tokenizer: {tok.get_vocab_size()} tokens; train stream {len(stream)} tokens")
 
   eos = tok.token_to_id(EOS)
-  tcfg = eagle3jax.LlamaConfig(
-      vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-      rms_norm_eps=1e-5, eos_token_ids=(eos,))
+  tcfg = target_config(cfg, tok.get_vocab_size(), eos_token_ids=(eos,))
   target = eagle3jax.init_target(tcfg, dtype=jnp.float32, seed=cfg.seed, std=0.02)
   lm_cfg = LMTrainConfig(learning_rate=cfg.lm_lr, total_steps=cfg.lm_steps,
                          batch_size=cfg.lm_batch, seq_len=cfg.lm_seq_len, seed=cfg.seed,
@@ -417,19 +412,25 @@ def drafter_overrides(cfg: DemoConfig) -> dict | None:
   return out or None
 
 
+def target_config(cfg: DemoConfig, vocab_size: int, eos_token_ids: tuple[int, ...] = ()):
+  """The demo target's ``LlamaConfig`` (``vocab_size``: the trained tokenizer's)."""
+  from eagle3jax.config import LlamaConfig
+  return LlamaConfig(
+      vocab_size=vocab_size, hidden_size=cfg.hidden_size,
+      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
+      max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
+      rms_norm_eps=1e-5, eos_token_ids=eos_token_ids)
+
+
 def check_drafter_recipe(cfg: DemoConfig) -> None:
   """Refuses a drafter recipe that could not train, before anything is built: its
   ``TrainConfig``, capture ids and drafter shape against a target of ``cfg``'s shape (so a bad
   ``--draft-*`` flag fails at once, not after the target's pre-training or the regeneration)."""
   from eagle3jax.capture import CaptureSpec
-  from eagle3jax.config import LlamaConfig
   from eagle3jax.drafter import DrafterConfig
   drafter_train_config(cfg)
-  target_cfg = LlamaConfig(
-      vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-      intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-      num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_heads,
-      max_position_embeddings=cfg.max_position_embeddings)
+  target_cfg = target_config(cfg, cfg.vocab_size)
   ids = drafter_capture(cfg)
   capture = (CaptureSpec(ids) if ids is not None else
              CaptureSpec.eagle3_default(cfg.num_layers))

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from eagle3jax import attention as attn_lib
+from eagle3jax import checks
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.layers import RMSNorm, einsum, merge_heads, param
@@ -68,15 +69,13 @@ class DrafterConfig:
   target_hidden_size: int | None = None
 
   def __post_init__(self):
-    if not 0 < self.rms_norm_eps < 1:  # NaN, 0, negative or huge: NaN or flat activations
-      raise ValueError(f"drafter config field rms_norm_eps={self.rms_norm_eps!r} must be a "
-                       "small positive number (typically 1e-6 or 1e-5)")
+    checks.norm_eps("drafter config field rms_norm_eps", self.rms_norm_eps)
     for name in ("hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "vocab_size", "draft_vocab_size"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"drafter config field {name}={value!r} must be a positive integer")
-    if self.head_dim is not None and (not isinstance(self.head_dim, int) or self.head_dim < 2
+    if self.head_dim is not None and (not checks.is_integer(self.head_dim) or self.head_dim < 2
                                       or self.head_dim % 2):
       raise ValueError(f"drafter config field head_dim={self.head_dim!r} must be a positive "
                        "even number (RoPE rotates pairs of dimensions)")

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3jax import checks
 from eagle3jax import engine as eng
 from eagle3jax.attention import ATTENTION_IMPLS
 from eagle3jax import capture_contract as contract
@@ -78,34 +79,6 @@ def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[list[
       raise ValueError(f"{what}[{i}] has token ids outside [0, {vocab_size}): {bad[:5]}")
     out.append(p)
   return out
-
-
-def _integer(name: str, value, minimum: int | None = None) -> int:
-  """``value`` as a Python int: ints, NumPy integers and 0-d integer arrays only (no bools, no
-  floats, even whole ones: a float tree size or budget is a caller's mistake)."""
-  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
-    value = value.item() if np.issubdtype(value.dtype, np.integer) else value
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-    raise ValueError(f"{name}={value!r} must be an integer"
-                     + (f" >= {minimum}" if minimum is not None else ""))
-  value = int(value)
-  if minimum is not None and value < minimum:
-    raise ValueError(f"{name}={value} must be an integer >= {minimum}")
-  return value
-
-
-def _real(name: str, value) -> float:
-  """``value`` as a Python float: Python, NumPy or JAX scalars (a 0-d array), not None,
-  strings, bools or arrays of several values."""
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{name} must be a concrete number: generate runs on the host, outside "
-                    "jax.jit")
-  ok = not isinstance(value, (bool, np.bool_, str, bytes)) and value is not None
-  arr = np.asarray(value) if ok else None
-  if arr is None or arr.ndim != 0 or not (np.issubdtype(arr.dtype, np.floating)
-                                          or np.issubdtype(arr.dtype, np.integer)):
-    raise ValueError(f"{name}={value!r} must be a number")
-  return float(arr)
 
 
 def _cache_len(need: int) -> int:
@@ -197,19 +170,19 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   """
   cfg = target.config
   prompts = check_prompts(prompts, cfg.vocab_size)
-  max_new_tokens = _integer("max_new_tokens", max_new_tokens, 1)
-  temperature, top_p = _real("temperature", temperature), _real("top_p", top_p)
+  max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
+  temperature, top_p = checks.real("temperature", temperature), checks.real("top_p", top_p)
   if not np.isfinite(temperature) or temperature < 0:
     raise ValueError(f"temperature={temperature} must be a finite number >= 0")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p={top_p} must be in (0, 1]")
-  top_k = _integer("top_k", top_k, 0)
+  top_k = checks.integer("top_k", top_k, 0)
   if top_k > cfg.vocab_size:
     raise ValueError(f"top_k={top_k} must be in [0, vocab_size={cfg.vocab_size}]")
   if isinstance(seed, jax.Array) and jax.dtypes.issubdtype(seed.dtype, jax.dtypes.prng_key):
     raise ValueError("seed must be an integer, not a PRNG key: generate derives one key per "
                      "row from it")
-  seed = _integer("seed", seed)
+  seed = checks.integer("seed", seed)
   if not -2**31 <= seed < 2**32:
     raise ValueError(f"seed={seed} must be in [-2**31, 2**32) (JAX keys hold 32 bits: other "
                      "seeds would repeat these)")
@@ -237,13 +210,13 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     tree, spec_capture = None, None
   else:
     contract.check_pair(target, drafter.config)
-    num_steps, topk = _integer("num_steps", num_steps, 1), _integer("topk", topk, 1)
+    num_steps, topk = checks.integer("num_steps", num_steps, 1), checks.integer("topk", topk, 1)
     if topk > drafter.config.draft_vocab_size:
       raise ValueError(f"topk={topk} exceeds the drafter's draft_vocab_size="
                        f"{drafter.config.draft_vocab_size}")
     if topk == 1:
       num_draft_tokens = num_steps + 1
-    num_draft_tokens = _integer("num_draft_tokens", num_draft_tokens)
+    num_draft_tokens = checks.integer("num_draft_tokens", num_draft_tokens)
     tree = TreeShape(num_steps, topk, num_draft_tokens)
     contract.check_mesh(target, drafter.mesh)
     spec_capture = contract.check_serving_capture(drafter, capture)
@@ -266,7 +239,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     raise ValueError(f"eos_ids={eos_ids!r} must be a list of token ids (or None for the "
                      "target config's, [] for none)")
   eos = (cfg.eos_token_ids if eos_ids is None else
-         tuple(_integer(f"eos_ids[{i}]", e) for i, e in enumerate(eos_ids)))
+         tuple(checks.integer(f"eos_ids[{i}]", e) for i, e in enumerate(eos_ids)))
   if any(not 0 <= e < cfg.vocab_size for e in eos):
     raise ValueError(f"eos_ids={list(eos)} must be token ids in [0, vocab_size="
                      f"{cfg.vocab_size})")

@@ -36,7 +36,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import numbers
 import time
 
 import jax
@@ -52,6 +51,7 @@ from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
 from eagle3jax.drafter import Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.sampling import SamplingParams
+from eagle3jax.checks import is_integer
 from eagle3jax.sharding import BATCH, SEQ, TENSOR, make_mesh, param_spec, shard
 from eagle3jax.tree import TreeShape
 
@@ -304,10 +304,10 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     raise ValueError(f"device={device!r}; choose one of {sorted(DEVICES)}")
   if quantization not in ("keep", "dequantize"):
     raise ValueError(f"quantization={quantization!r}; choose 'keep' or 'dequantize'")
-  if prompt_len is None and isinstance(context, numbers.Integral):
+  if prompt_len is None and is_integer(context):
     prompt_len = min(2048, context)
   for name, value in (("batch", batch), ("context", context), ("prompt_len", prompt_len)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+    if not is_integer(value) or value < 1:
       raise ValueError(f"{name}={value!r} must be a positive integer")
   if prompt_len > context:
     raise ValueError(f"prompt_len={prompt_len} exceeds context={context}: the prompt must fit "

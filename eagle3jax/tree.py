@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax import checks
 from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows
 
@@ -34,10 +35,7 @@ class TreeShape:
 
   def __post_init__(self):
     for name in ("num_steps", "topk", "num_draft_tokens"):
-      value = getattr(self, name)
-      if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name}={value!r} must be an integer")
-      object.__setattr__(self, name, int(value))
+      object.__setattr__(self, name, checks.integer(name, getattr(self, name)))
     if self.num_steps < 1:
       raise ValueError(f"num_steps={self.num_steps} must be >= 1")
     if self.topk < 1:

@@ -14,8 +14,9 @@ from __future__ import annotations
 import os
 
 import jax
-import numpy as np
 from jax.sharding import AxisType, Mesh
+
+from eagle3jax.checks import is_integer
 
 DATA = "data"
 TENSOR = "tensor"
@@ -40,7 +41,7 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
       multi-process mesh leaves devices out.
   """
   for name, size in (("data", data), ("tensor", tensor)):
-    if not isinstance(size, (int, np.integer)) or isinstance(size, (bool, np.bool_)) or size < 1:
+    if not is_integer(size) or size < 1:
       raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
   data, tensor = int(data), int(tensor)
   devices = list(jax.devices() if devices is None else devices)

@@ -197,3 +197,14 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   assert mod.main() == 2
   err = capsys.readouterr().err
   assert "nothing" in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_demo_recipe_builds_the_shipped_target_config():
+  # demo.target_config is what make_demo trains and what check_drafter_recipe checks drafter
+  # flags against: it must still describe the shipped target (the export writes head_dim).
+  import dataclasses
+  from eagle3jax.config import LlamaConfig
+  with open(os.path.join(DEFAULT_TARGET, "config.json")) as f:
+    shipped = LlamaConfig.from_hf(json.load(f))
+  built = demo.target_config(demo.DemoConfig(), shipped.vocab_size, shipped.eos_token_ids)
+  assert dataclasses.replace(built, head_dim=built.resolved_head_dim) == shipped

@@ -27,7 +27,6 @@ import functools
 import json
 import logging
 import math
-import numbers
 import os
 import time
 import zlib
@@ -44,6 +43,7 @@ from eagle3jax import capture_contract as contract
 from eagle3jax import distributed
 from eagle3jax import monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
@@ -120,17 +120,15 @@ class TrainConfig:
     for name in positive:
       value = getattr(self, name)
       low = 0 if name == "warmup_steps" else 1
-      if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+      if not is_integer(value) or value < low:
         raise ValueError(f"TrainConfig.{name}={value!r} must be an integer >= {low}")
     reals = ("learning_rate", "final_lr_fraction", "b1", "b2", "weight_decay", "grad_clip",
              "step_decay", "label_temperature", "temperature")
     for name in reals:
       value = getattr(self, name)
-      if (isinstance(value, bool) or not isinstance(value, numbers.Real)
-          or not math.isfinite(value)):
+      if not is_real(value) or not math.isfinite(value):
         raise ValueError(f"TrainConfig.{name}={value!r} must be a finite number")
-    if (not isinstance(self.seed, numbers.Integral) or isinstance(self.seed, bool)
-        or not 0 <= self.seed < 2**31):
+    if not is_integer(self.seed) or not 0 <= self.seed < 2**31:
       raise ValueError(f"TrainConfig.seed={self.seed!r} must be an integer in [0, 2**31)")
     if self.warmup_steps >= self.total_steps:
       raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be below "
