@@ -424,6 +424,13 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
     raise ValueError(
         f"{where} was not trained on this target: its record was taken on a target with "
         f"{record.target_layers} layers, this one has {target.num_layers}")
+  top = max(record.calibration_ids)
+  if top >= target.config.vocab_size:
+    raise ValueError(
+        f"{where} was not trained on this target: its record's calibration tokens go up to id "
+        f"{top}, beyond this target's vocab_size={target.config.vocab_size} (a target with a "
+        f"larger vocabulary took it). Use the target it was trained for, or retrain it on this "
+        f"one (verify_capture=False skips this check)")
   same_len = len(configured.layer_ids) == len(record.capture)
   if same_len:
     fast = compare_record(record, target, configured.layer_ids)

@@ -154,18 +154,25 @@ def _run(args) -> int:
     print(json.dumps(report))
     return 0
   print("\n")
+  recorded = report["accept_length_recorded"]
+  if recorded is None:
+    recorded = "not recorded"
+  elif args.temperature == 0:
+    recorded = f"{recorded:.2f} (drafter's greedy record, this tree)"
+  else:  # the record is greedy; sampled acceptance is not comparable with it
+    recorded = (f"{recorded:.2f} (drafter's greedy record, this tree; not comparable with "
+                f"this run's sampling at temperature {args.temperature:g})")
   rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
           ("accept length (mean)", f"{report['accept_length_mean']:.2f}"),
-          ("accept length (held-out)", "not recorded" if report["accept_length_recorded"]
-           is None else f"{report['accept_length_recorded']:.2f} (drafter's greedy record, this "
-                    "tree)"),
+          ("accept length (held-out)", recorded),
           ("acceptance per position",
            " ".join(f"{a:.2f}" for a in report["acceptance_per_position"])),
           ("tokens/s", f"{report['tokens_per_s']:.1f}")]
   if args.baseline:
     rows += [("baseline tokens/s", f"{report['baseline_tokens_per_s']:.1f}"),
              ("speedup", f"{report['speedup']:.2f}x"),
-             ("matches baseline", report["matches_baseline"])]
+             ("matches baseline", "not compared (sampling)" if report["matches_baseline"]
+              is None else report["matches_baseline"])]
   for name, value in rows:
     print(f"{name:<26}{value}")
   return 0

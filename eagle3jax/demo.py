@@ -211,7 +211,7 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   losses = train_lm(target, stream, lm_cfg, lm_log)
   log(f"target: {len(losses)} steps, loss {losses[0]:.3f} -> {np.mean(losses[-20:]):.3f}")
   save_target(target, target_dir)
-  curve = make_drafter(out_dir, cfg, log=log)
+  curve = make_drafter(out_dir, cfg, log=log, train_texts=train_texts)
   log(f"done in {time.perf_counter() - t_start:.0f} s")
   return curve
 
@@ -312,17 +312,19 @@ def drafter_misses(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 
 
 
 def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
-                     log=print) -> dict:
+                     log=print, train_texts: list[str] | None = None) -> dict:
   """Writes ``out_dir/drafter`` again, without retraining: with the target's embedding, the
   capture record (calibration ids: the first training prompt) and the held-out greedy
-  acceptance per tree shape (batch 1, as the benchmark). Returns that acceptance."""
+  acceptance per tree shape (batch 1, as the benchmark). Returns that acceptance.
+  ``train_texts``: the manifest's train split when the caller has read it already."""
   import eagle3jax
   from eagle3jax import monitor
 
   drafter_dir = os.path.join(out_dir, "drafter")
   target, tok = load_demo_target(out_dir)
   drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
-  train_texts = read_split(read_manifest(out_dir), "train")
+  if train_texts is None:
+    train_texts = read_split(read_manifest(out_dir), "train")
   calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
   acceptance = monitor.measure_acceptance(
       target, drafter, heldout_prompts(out_dir, tok), monitor.DEFAULT_SHAPES + ((5, 4, 8),),
@@ -336,18 +338,21 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
 
 
 def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log=print,
-                 state_dir: str | None = None) -> list[dict]:
+                 state_dir: str | None = None,
+                 train_texts: list[str] | None = None) -> list[dict]:
   """Trains ``out_dir/drafter`` for the (already built) ``out_dir/target``.
 
   ``state_dir`` keeps the regenerated data and checkpoints (default: a temporary folder); a
-  run given the same folder resumes. Returns the learning curve: held-out greedy acceptance
+  run given the same folder resumes. ``train_texts``: the manifest's train split when the
+  caller has read it already (read once, so a stdlib mismatch warns once). Returns the learning curve: held-out greedy acceptance
   length at (7, 1, 8) every ``cfg.heldout_every`` steps (``plot_curve`` draws it).
   """
   import tempfile
   from eagle3jax.training import train_drafter
 
   drafter_dir = os.path.join(out_dir, "drafter")
-  train_texts = read_split(read_manifest(out_dir), "train")
+  if train_texts is None:
+    train_texts = read_split(read_manifest(out_dir), "train")
   target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)
@@ -370,7 +375,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   _to_bf16(drafter_dir, ml_dtypes.bfloat16)
   # The record keeps the acceptance of the stored (bfloat16) drafter at batch 1, as the
   # benchmark measures it.
-  reexport_drafter(out_dir, cfg, log=log)
+  reexport_drafter(out_dir, cfg, log=log, train_texts=train_texts)
   return result.curve
 
 

@@ -272,6 +272,13 @@ def round_cost(graphdef, params, target, capture, spec, *, batch, max_len, decod
   return {"flops": float(total[0]), "bytes": float(total[1])}
 
 
+def _persistent_cache() -> str | None:
+  """The persistent compilation cache directory compiles may read from, or None."""
+  if not jax.config.jax_enable_compilation_cache:
+    return None
+  return jax.config.jax_compilation_cache_dir or None
+
+
 def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor: int = 8,
          hbm_gib: float | None = None, device: str = "h200", batch: int = 1,
          context: int = 32768, prompt_len: int | None = None, quantization: str = "keep",
@@ -298,7 +305,8 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     ``max_batch``, ``max_context`` (at most the target's ``max_position_embeddings``;
     ``max_context_memory``: what memory alone would hold), ``flops_per_round``,
     ``bytes_per_round``,
-    ``roofline_round_s``, ``compile_s`` and more).
+    ``roofline_round_s``, ``compile_s`` (``compile_cache``: the persistent compilation cache
+    directory the compiles may have read from instead of compiling, or None) and more).
   """
   if device not in DEVICES:
     raise ValueError(f"device={device!r}; choose one of {sorted(DEVICES)}")
@@ -363,7 +371,7 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
         "kv_bytes_per_token": kv_per_token * data, "hbm_bytes": hbm, "fits": total <= hbm,
         "max_batch": max_batch, "max_context": max_context,
         "max_context_memory": memory_context, "max_position_embeddings": limit,
-        "compile_s": compile_s,
+        "compile_s": compile_s, "compile_cache": _persistent_cache(),
     }
     if with_cost:
       t0 = time.perf_counter()
@@ -404,7 +412,9 @@ def markdown(result: dict) -> str:
           (f"fits {result['hbm_bytes'] / GIB:.0f} GiB", "yes" if result["fits"] else "no"),
           (f"max batch at {result['context']}", str(result["max_batch"])),
           (f"max context at batch {result['batch']}", _max_context(result)),
-          ("compile (prefill + decode) here", f"{result['compile_s']:.1f} s")]
+          ("compile (prefill + decode) here", f"{result['compile_s']:.1f} s" + (
+              f" (persistent compilation cache {result['compile_cache']}: may be a read from "
+              "it, not a compile)" if result.get("compile_cache") else ""))]
   if "roofline_round_s" in result:
     rows += [("FLOPs / round / device", f"{result['flops_per_round']:.3g}"),
              ("bytes / round / device", f"{result['bytes_per_round']:.3g}"),

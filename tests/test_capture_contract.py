@@ -120,6 +120,19 @@ def test_other_target_of_the_same_shape_is_refused(saved):
     eagle3jax.load_drafter(saved, target=other)
 
 
+def test_record_from_a_larger_vocabulary_is_named(saved, target, tmp_path):
+  path = _copy(saved, tmp_path)
+  file = os.path.join(path, contract.RECORD_FILE)
+  with open(file) as f:
+    rec = json.load(f)
+  rec["calibration_ids"][2] = target.config.vocab_size + 40
+  with open(file, "w") as f:
+    json.dump(rec, f)
+  with pytest.raises(ValueError, match=r"calibration tokens go up to id 171, beyond this "
+                                       r"target's vocab_size=131"):
+    eagle3jax.load_drafter(path, target=target)
+
+
 def test_corrupt_record_is_named(saved, target, tmp_path):
   path = _copy(saved, tmp_path)
   file = os.path.join(path, contract.RECORD_FILE)

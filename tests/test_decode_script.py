@@ -55,6 +55,17 @@ def test_streaming_text_and_stats_table(dirs, capsys):
   assert "accept length (held-out)" in out and "not recorded" in out  # none at (3, 2, 5)
 
 
+def test_sampling_labels_the_greedy_record_and_skips_the_comparison(dirs, capsys):
+  target, drafter = dirs
+  assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "4", "--steps", "3", "--temperature", "0.7",
+              "--baseline"]) == 0
+  out = capsys.readouterr().out
+  assert ("1.50 (drafter's greedy record, this tree; not comparable with this run's "
+          "sampling at temperature 0.7)") in out
+  assert "not compared (sampling)" in out
+
+
 def test_draft_tokens_unused_by_a_chain_is_said(dirs, capsys):
   target, drafter = dirs
   assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",

@@ -5,6 +5,7 @@ computes them), and the per-round cost fitted from shallow variants against a di
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -61,6 +62,12 @@ def test_llama_bytes_match_the_config_arithmetic():
   assert r["max_context_memory"] > 4096 and r["max_context"] == 4096
   assert r["max_position_embeddings"] == 4096
   assert "memory would hold" in plan_lib.markdown(r)
+  # The suite's persistent compilation cache (conftest) is named beside the compile time,
+  # which may then be a read from it; without one the time stands alone.
+  cache = os.environ["JAX_COMPILATION_CACHE_DIR"]
+  assert r["compile_cache"] == cache
+  assert f"persistent compilation cache {cache}: may be a read" in plan_lib.markdown(r)
+  assert "persistent" not in plan_lib.markdown({**r, "compile_cache": None})
   # A memory that only just misses the total does not fit, and then holds no larger batch.
   small = plan_lib.plan(LLAMA, data=1, tensor=8, batch=2, context=256, prompt_len=32,
                         hbm_gib=(pd["total"] - 1) / 2**30, with_cost=False, log=lambda m: None)
