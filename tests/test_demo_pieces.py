@@ -2,20 +2,27 @@
 tokenizer."""
 
 import dataclasses
+import json
 import os
 import pathlib
+import platform
+import sys
 import warnings
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 import torch
 import transformers
 
 import eagle3jax
+from eagle3jax import capture_contract as contract
 from eagle3jax import demo
+from eagle3jax.safetensors_io import SafetensorsFile
 from eagle3jax.hf_export import save_target
 from eagle3jax.training.lm import LMTrainConfig, train_lm
+from tests.script_loader import load_script
 
 
 def test_exported_target_loads_in_transformers_and_eagle3jax(tmp_path):
@@ -144,3 +151,39 @@ def test_drafter_capture_parses_the_demo_flag():
   assert demo.drafter_capture(dataclasses.replace(d, draft_capture=" 2, 6 ,11")) == (2, 6, 11)
   with pytest.raises(ValueError, match=r"--draft-capture \(DemoConfig.draft_capture\) '1;5': expected"):
     demo.drafter_capture(dataclasses.replace(d, draft_capture="1;5"))
+
+
+def test_make_demo_script_builds_a_pair_that_loads(tmp_path, monkeypatch):
+  """scripts/make_demo.py end to end at a tiny size: every stage the 90-minute rebuild runs
+  (manifest, tokenizer, pre-training, export, regeneration, drafter training with its curve,
+  bfloat16 export, the held-out record), and a folder the engine loads as the shipped one."""
+  out, curve = tmp_path / "demo", tmp_path / "curve.json"
+  monkeypatch.setattr(sys, "argv", [
+      "make_demo.py", "--out", str(out), "--curve", str(curve), "--vocab-size", "512",
+      "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "8",
+      "--num-heads", "2", "--max-position-embeddings", "256", "--lm-steps", "4",
+      "--lm-batch", "4", "--lm-seq-len", "64", "--draft-vocab-size", "128",
+      "--draft-prompts", "16", "--response-len", "16", "--draft-steps", "4",
+      "--draft-batch", "4", "--ttt-steps", "3", "--heldout-every", "4"])
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert load_script("make_demo").main() == 0
+  # The stdlib read is the one the manifest was built from: no mismatch warning.
+  assert not [w for w in caught if "differ from those it was built from" in str(w.message)]
+  manifest = demo.read_manifest(str(out))
+  assert manifest["python"] == platform.python_version() and manifest["train_digest"]
+  target, tok = demo.load_demo_target(str(out))
+  assert tok.get_vocab_size() == 512 and target.config.vocab_size == 512 and target.num_layers == 8
+  drafter = eagle3jax.load_drafter(str(out / "drafter"), target=target)
+  assert "capture record verified" in drafter.capture_explanation
+  record = contract.read_record(str(out / "drafter"))
+  acceptance = dict(record.acceptance)
+  assert set(acceptance) == {"3,1,4", "5,1,6", "7,1,8", "5,4,8"}
+  assert all(1.0 <= a <= 8.0 for a in acceptance.values())
+  st = SafetensorsFile(str(out / "drafter" / "model.safetensors"))
+  assert "embed_tokens.weight" in st.names  # loads in the official engine too (issue 14)
+  assert st.get("fc.weight").dtype == ml_dtypes.bfloat16
+  with open(curve) as f:
+    points = json.load(f)["curve"]
+  assert [p["step"] for p in points] == [4] and (tmp_path / "curve.png").exists()
+  assert 1.0 <= points[0]["accept_length"] <= 8.0
