@@ -344,8 +344,9 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
 
   ``state_dir`` keeps the regenerated data and checkpoints (default: a temporary folder); a
   run given the same folder resumes. ``train_texts``: the manifest's train split when the
-  caller has read it already (read once, so a stdlib mismatch warns once). Returns the learning curve: held-out greedy acceptance
-  length at (7, 1, 8) every ``cfg.heldout_every`` steps (``plot_curve`` draws it).
+  caller has read it already (read once, so a stdlib mismatch warns once). Returns the
+  learning curve: held-out greedy acceptance length at (7, 1, 8) every
+  ``cfg.heldout_every`` steps (``plot_curve`` draws it).
   """
   import tempfile
   from eagle3jax.training import train_drafter
