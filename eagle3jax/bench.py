@@ -64,8 +64,9 @@ def _run(gen, prompts, batch, *, paired=None):
     outs += r.tokens
     new += r.stats["new_tokens"]
     seconds += r.stats["prefill_s"] + r.stats["decode_s"]
-    rounds += r.stats["rounds"]
-    accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+    if r.stats["rounds"]:  # no round: nothing accepted (and no mean)
+      rounds += r.stats["rounds"]
+      accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
     if r.stats["acceptance_per_position"]:
       per_pos.append((r.stats["rounds"], np.asarray(r.stats["acceptance_per_position"])))
   pos = (sum(n * a for n, a in per_pos) / max(rounds, 1)).tolist() if per_pos else []

@@ -163,10 +163,11 @@ def _run(args) -> int:
     recorded = (f"{recorded:.2f} (drafter's greedy record, this tree; not comparable with "
                 f"this run's sampling at temperature {args.temperature:g})")
   rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
-          ("accept length (mean)", f"{report['accept_length_mean']:.2f}"),
+          ("accept length (mean)", "no round ran" if report["accept_length_mean"] is None
+           else f"{report['accept_length_mean']:.2f}"),
           ("accept length (held-out)", recorded),
           ("acceptance per position",
-           " ".join(f"{a:.2f}" for a in report["acceptance_per_position"])),
+           " ".join(f"{a:.2f}" for a in report["acceptance_per_position"] or [])),
           ("tokens/s", f"{report['tokens_per_s']:.1f}")]
   if args.baseline:
     rows += [("baseline tokens/s", f"{report['baseline_tokens_per_s']:.1f}"),

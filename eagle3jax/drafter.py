@@ -110,7 +110,8 @@ class DrafterConfig:
                 head_dim=getattr(target_cfg, "head_dim", None),
                 rms_norm_eps=target_cfg.rms_norm_eps,
                 vocab_size=target_cfg.vocab_size,
-                draft_vocab_size=draft_vocab_size or target_cfg.vocab_size, capture=capture,
+                draft_vocab_size=(target_cfg.vocab_size if draft_vocab_size is None
+                                  else draft_vocab_size), capture=capture,
                 max_position_embeddings=target_cfg.max_position_embeddings)
     base.update(overrides)
     return cls(**base)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 import warnings
@@ -17,7 +18,9 @@ from eagle3jax import engine as eng
 from eagle3jax.attention import ATTENTION_IMPLS
 from eagle3jax import capture_contract as contract
 from eagle3jax import monitor
-from eagle3jax.capture import CaptureSpec
+from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.decoder import DecoderLM
+from eagle3jax.drafter import Eagle3Drafter
 from eagle3jax.distributed import to_host
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, SEQ, shard
@@ -85,21 +88,44 @@ def _cache_len(need: int) -> int:
   return -(-need // 64) * 64
 
 
-_COMPILED: dict = {}
+# The compiled prefill and decode programs, least recently used first. Bounded: a process that
+# serves many targets, batch sizes, prompt buckets, output buckets or tree shapes would
+# otherwise keep every program it ever compiled (on XLA:CPU each holds ~170 memory maps, and
+# ~380 programs reach Linux's vm.max_map_count: LLVM then fails with "Cannot allocate memory").
+MAX_COMPILED = 64
+_COMPILED: collections.OrderedDict = collections.OrderedDict()
+_JITS: set = set()  # the jitted functions compiled through _compiled
 
 
 def _compiled(name, fn, *args, **static):
-  """AOT-compiles ``fn`` for these arguments once; later calls with the same shapes reuse it."""
+  """AOT-compiles ``fn`` for these arguments once; later calls with the same shapes reuse it
+  (the ``MAX_COMPILED`` most recently used programs are kept)."""
   leaves, treedef = jax.tree.flatten(args)
   key = (name, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
          tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
   hit = _COMPILED.get(key)
-  if hit is None:
-    t0 = time.perf_counter()
-    hit = fn.lower(*args, **static).compile()
-    _COMPILED[key] = hit
-    return hit, time.perf_counter() - t0
-  return hit, 0.0
+  if hit is not None:
+    _COMPILED.move_to_end(key)
+    return hit, 0.0
+  t0 = time.perf_counter()
+  hit = fn.lower(*args, **static).compile()
+  _COMPILED[key] = hit
+  _JITS.add(fn)
+  if len(_COMPILED) > MAX_COMPILED:
+    while len(_COMPILED) > MAX_COMPILED:
+      _COMPILED.popitem(last=False)
+    # ``jax.jit`` also keeps what it lowered, executables included, for the life of the
+    # process: dropped here, so that only this cache holds programs and an evicted one is
+    # freed. (Clearing a jit's cache also clears JAX's tracing cache of every jit, so it is
+    # done only when this cache is full, not after every compile.)
+    for f in _JITS:
+      f.clear_cache()
+  return hit, time.perf_counter() - t0
+
+
+def clear_compiled() -> None:
+  """Drops every compiled prefill and decode program (the next ``generate`` compiles again)."""
+  _COMPILED.clear()
 
 
 def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
@@ -112,8 +138,12 @@ def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
   continues from."""
   b = len(prompts)
   t = prompt_bucket(max(len(p) for p in prompts))
-  max_len = _cache_len(t + max_new_tokens + spec.slots_needed + spec.commit_width + 1)
-  out_size = max_new_tokens + spec.commit_width
+  # Sized for max_new_tokens rounded up to a multiple of 64 (the engine stops every row at
+  # max_new_tokens itself, a runtime value): requests of other lengths in the same bucket run
+  # the same compiled programs.
+  new_bucket = _cache_len(max_new_tokens)
+  max_len = _cache_len(t + new_bucket + spec.slots_needed + spec.commit_width + 1)
+  out_size = new_bucket + spec.commit_width
   tokens = np.zeros((b, t), np.int32)
   for i, p in enumerate(prompts):
     tokens[i, :len(p)] = p
@@ -131,6 +161,20 @@ def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
   st = prefill(params, tokens_d, lengths_d, keys, dyn)
   jax.block_until_ready(st.out)
   return graphdef, params, st, dyn, time.perf_counter() - t0, c1
+
+
+def _check_models(target, drafter) -> None:
+  """The first two arguments are a target and a drafter (or None), in that order."""
+  if isinstance(target, Eagle3Drafter) and isinstance(drafter, DecoderLM):
+    raise ValueError("generate(target, drafter, ...) got the drafter first: pass the target "
+                     "model first and the drafter second")
+  if not isinstance(target, DecoderLM):
+    what = "a drafter" if isinstance(target, Eagle3Drafter) else type(target).__name__
+    raise ValueError(f"target must be a target model (load_target / init_target); got {what}")
+  if drafter is not None and not isinstance(drafter, Eagle3Drafter):
+    what = "a target model" if isinstance(drafter, DecoderLM) else type(drafter).__name__
+    raise ValueError(f"drafter must be an EAGLE-3 drafter (load_drafter / init_drafter) or "
+                     f"None for autoregressive decoding; got {what}")
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0,
@@ -164,10 +208,13 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
 
   Returns:
     ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
-    + 1 per round), ``acceptance_per_position``, ``rounds``, ``tokens_per_s`` (excluding
-    compilation), ``compile_s``, ``new_tokens``. In a multi-process run
+    + 1 per round), ``acceptance_per_position`` (the fraction of rounds that accepted at least
+    d + 1 drafts), ``rounds``, ``tokens_per_s`` (excluding compilation), ``compile_s``,
+    ``new_tokens``. With no round (``max_new_tokens=1``, or every row's first token an EOS
+    id) the two acceptance figures are None. In a multi-process run
     (``eagle3jax.distributed``) every process makes the same call and gets the same result.
   """
+  _check_models(target, drafter)
   cfg = target.config
   prompts = check_prompts(prompts, cfg.vocab_size)
   max_new_tokens = checks.integer("max_new_tokens", max_new_tokens, 1)
@@ -219,7 +266,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     num_draft_tokens = checks.integer("num_draft_tokens", num_draft_tokens)
     tree = TreeShape(num_steps, topk, num_draft_tokens)
     contract.check_mesh(target, drafter.mesh)
-    spec_capture = contract.check_serving_capture(drafter, capture)
+    asked = as_capture_spec(capture)
+    if asked is not None:  # out of range is said as such, not as "differs from the trained"
+      asked.validate(cfg.num_hidden_layers)
+    spec_capture = contract.check_serving_capture(drafter, asked)
     if longest + max_new_tokens + num_steps > drafter.config.max_position_embeddings:
       warnings.warn(
           f"positions up to {longest + max_new_tokens + num_steps} exceed the drafter's "
@@ -277,8 +327,10 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   per_pos = ([float(hist[d + 1:].sum() / max(total_rounds, 1)) for d in range(len(hist) - 1)]
              if tree is not None else [])
   new_tokens = int(out_len.sum())
+  if not total_rounds:  # every row ended at the prefill's token: no round, no acceptance
+    per_pos = None if tree is not None else []
   stats = {
-      "accept_length_mean": float(accepted.sum() / max(total_rounds, 1)),
+      "accept_length_mean": float(accepted.sum() / total_rounds) if total_rounds else None,
       "acceptance_per_position": per_pos,
       "rounds": total_rounds,
       "new_tokens": new_tokens,

@@ -69,7 +69,8 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
         r = generate(target, drafter, prompts[i:i + batch_size],
                      max_new_tokens=max_new_tokens, num_steps=steps, topk=topk,
                      num_draft_tokens=tokens, eos_ids=eos_ids)
-      rounds += r.stats["rounds"]
-      accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+      if r.stats["rounds"]:  # no round: nothing accepted (and no mean)
+        rounds += r.stats["rounds"]
+        accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
     out[tree_key(steps, topk, tokens)] = round(accepted / max(rounds, 1), 4)
   return out

@@ -311,6 +311,7 @@ def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
     (dict(prompts=[3, 4]), r"prompts is a flat list of 2 token ids; pass a list of prompts"),
     (dict(prompts=np.array([3, 4])), r"prompts given as an array must be \[B, T\]"),
     (dict(prompts=[[[3, 4]]]), r"prompts\[0\] must be a flat list of token ids"),
+    (dict(capture=[-1, 3, 99]), r"ids \[99\] are out of range for a target with 8 layers"),
 ])
 def test_generate_refuses_bad_values(saved, target, kwargs, match):
   dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
@@ -318,6 +319,24 @@ def test_generate_refuses_bad_values(saved, target, kwargs, match):
   args.update(kwargs)
   with pytest.raises(ValueError, match=match):
     eagle3jax.generate(target, dr, args.pop("prompts"), **args)
+
+
+def test_generate_names_swapped_or_wrong_models(saved, target):
+  dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
+  for args, match in [((dr, target), "got the drafter first: pass the target model first"),
+                      ((dr, None), "target must be a target model .* got a drafter"),
+                      (("models/default", None), "target must be a target model .* got str"),
+                      ((target, target), "drafter must be an EAGLE-3 drafter .* got a target "
+                                         "model")]:
+    with pytest.raises(ValueError, match=match):
+      eagle3jax.generate(*args, [[3, 4]], max_new_tokens=2)
+
+
+def test_draft_vocab_size_zero_is_refused(target):
+  # It used to become the full vocabulary silently (``draft_vocab_size or vocab_size``).
+  with pytest.raises(ValueError, match="draft_vocab_size=0 must be a positive integer"):
+    eagle3jax.DrafterConfig.for_target(target.config, TRAINED, draft_vocab_size=0)
+  assert eagle3jax.DrafterConfig.for_target(target.config, TRAINED).draft_vocab_size == 131
 
 
 def test_generate_refuses_a_prng_key_as_seed(saved, target):

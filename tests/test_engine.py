@@ -1,5 +1,8 @@
 """The engine: greedy losslessness, batches, meshes, stopping, compile counts, bad input."""
 
+import gc
+import importlib
+
 import pytest
 
 import eagle3jax
@@ -92,6 +95,61 @@ def test_no_recompilation_across_rounds_and_prompts_in_a_bucket(pair):
   s = eagle3jax.generate(tgt, dr, [[9] * 11, [3, 4]], on_tokens=streamed.append, **kw)
   assert engine.trace_count() == before
   assert s.tokens == r.tokens and len(streamed) >= 2 and streamed[-1] == r.tokens
+
+
+def test_lengths_in_one_output_bucket_share_the_compiled_programs(pair, baseline):
+  tgt, dr = pair
+  kw = dict(num_steps=3, topk=1, eos_ids=[])
+  eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=MAX_NEW, **kw)
+  before = engine.trace_count()
+  # max_new_tokens is a runtime value: every length up to 64 runs the same two programs.
+  for n in (1, 7, 64 - 3):
+    r = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=n, **kw)
+    assert r.stats["compile_s"] == 0.0 and [len(t) for t in r.tokens] == [n] * 3
+    assert [t[:min(n, MAX_NEW)] for t in r.tokens] == [t[:n] for t in baseline.tokens]
+  assert engine.trace_count() == before
+
+
+def test_no_round_reports_no_acceptance(pair):
+  # max_new_tokens=1: the prefill's token is the whole output, and no round runs.
+  r = eagle3jax.generate(pair[0], pair[1], h.PROMPTS, max_new_tokens=1, num_steps=3,
+                         eos_ids=[])
+  assert r.stats["rounds"] == 0 and [len(t) for t in r.tokens] == [1, 1, 1]
+  assert r.stats["accept_length_mean"] is None and r.stats["acceptance_per_position"] is None
+
+
+def test_compiled_programs_are_bounded_and_evicted_ones_freed(monkeypatch):
+  """A process that compiles many shapes keeps at most MAX_COMPILED programs; an evicted one is
+  freed (jax.jit's own cache let go of it too), so XLA:CPU's memory maps, ~170 a program, stay
+  flat instead of reaching vm.max_map_count (LLVM then fails with 'Cannot allocate memory')."""
+  generate_mod = importlib.import_module("eagle3jax.generate")
+  # A target of its own: no other test compiled its programs.
+  tgt = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=2, vocab_size=57),
+                              seed=0, std=0.1)
+
+  def maps():
+    gc.collect()
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+
+  def run(batch):
+    return eagle3jax.generate(tgt, None, [[1, 2, 3]] * batch, max_new_tokens=2, eos_ids=[])
+
+  run(1)
+  start = maps()
+  run(2)  # what one more shape's prefill and decode programs hold
+  per_shape = maps() - start
+  assert per_shape > 0
+  monkeypatch.setattr(generate_mod, "MAX_COMPILED", 2)
+  for batch in range(3, 9):
+    assert run(batch).stats["compile_s"] > 0
+  assert len(generate_mod._COMPILED) == 2
+  # Only batch 8's programs are held now (batch 1's and 2's were evicted too); holding all
+  # eight shapes' programs would have grown the maps by about 7 * per_shape.
+  assert maps() - start < 2 * per_shape, (maps() - start, per_shape)
+  assert run(8).stats["compile_s"] == 0.0 and run(1).stats["compile_s"] > 0  # evicted
+  eagle3jax.clear_compiled()
+  assert not generate_mod._COMPILED and run(1).stats["compile_s"] > 0
 
 
 def test_max_new_tokens_exact_and_stats(pair):
