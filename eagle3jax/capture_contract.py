@@ -301,6 +301,9 @@ class CaptureRecord:
       capture = tuple(int(i) for i in d["capture"])
       if any(int(t) < 0 for t in d["calibration_ids"]):
         raise ValueError("negative calibration ids")
+      if len(d["calibration_ids"]) < 4:
+        raise ValueError(f"{len(d['calibration_ids'])} calibration ids; a record has at "
+                         "least 4")
       arr = lambda a: tuple(map(tuple, np.asarray(a, np.float32).tolist()))  # noqa: E731
       feats = tuple(arr(d["features"][str(i)]) for i in capture)
       fp = d["target_fingerprint"]

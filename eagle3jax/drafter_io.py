@@ -101,7 +101,8 @@ def config_from_hf(hf: dict, capture: CaptureSpec) -> DrafterConfig:
       rope=RopeConfig.from_hf(rope_hf, default_theta=10000.0),
       max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
       vocab_size=hf["vocab_size"],
-      draft_vocab_size=hf.get("draft_vocab_size") or hf["vocab_size"],
+      draft_vocab_size=(hf["vocab_size"] if hf.get("draft_vocab_size") is None
+                        else hf["draft_vocab_size"]),
       target_hidden_size=hf.get("target_hidden_size"), capture=capture)
 
 

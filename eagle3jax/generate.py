@@ -114,18 +114,33 @@ def _compiled(name, fn, *args, **static):
   if len(_COMPILED) > MAX_COMPILED:
     while len(_COMPILED) > MAX_COMPILED:
       _COMPILED.popitem(last=False)
-    # ``jax.jit`` also keeps what it lowered, executables included, for the life of the
-    # process: dropped here, so that only this cache holds programs and an evicted one is
-    # freed. (Clearing a jit's cache also clears JAX's tracing cache of every jit, so it is
-    # done only when this cache is full, not after every compile.)
-    for f in _JITS:
-      f.clear_cache()
+    _drop_jit_caches()  # so that the evicted program is freed
   return hit, time.perf_counter() - t0
 
 
+def _drop_jit_caches() -> None:
+  # ``jax.jit`` also keeps what it lowered, executables included, for the life of the process:
+  # dropped so that only ``_COMPILED`` holds programs. (Clearing a jit's cache also clears
+  # JAX's tracing cache of every jit, so it is done on eviction, not after every compile.)
+  for f in _JITS:
+    f.clear_cache()
+
+
 def clear_compiled() -> None:
-  """Drops every compiled prefill and decode program (the next ``generate`` compiles again)."""
+  """Frees every compiled prefill and decode program (the next ``generate`` compiles again)."""
   _COMPILED.clear()
+  _drop_jit_caches()
+
+
+def set_max_compiled(n: int) -> None:
+  """Keeps at most ``n`` compiled programs (two per ``generate`` shape; default 64), evicting
+  the least recently used now if more are held."""
+  global MAX_COMPILED
+  MAX_COMPILED = checks.integer("max_compiled", n, 1)
+  if len(_COMPILED) > MAX_COMPILED:
+    while len(_COMPILED) > MAX_COMPILED:
+      _COMPILED.popitem(last=False)
+    _drop_jit_caches()
 
 
 def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
@@ -211,7 +226,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     + 1 per round), ``acceptance_per_position`` (the fraction of rounds that accepted at least
     d + 1 drafts), ``rounds``, ``tokens_per_s`` (excluding compilation), ``compile_s``,
     ``new_tokens``. With no round (``max_new_tokens=1``, or every row's first token an EOS
-    id) the two acceptance figures are None. In a multi-process run
+    id) ``accept_length_mean`` is None, and so is ``acceptance_per_position`` with a drafter
+    (without one it is always ``[]``). In a multi-process run
     (``eagle3jax.distributed``) every process makes the same call and gets the same result.
   """
   _check_models(target, drafter)

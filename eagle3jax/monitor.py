@@ -55,7 +55,8 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
                        max_new_tokens: int = 128, batch_size: int = 8,
                        eos_ids=None) -> dict[str, float]:
   """Greedy acceptance length per tree shape on ``prompts`` (held-out data): what the capture
-  record keeps for ``compare``. Keys ``"steps,topk,tokens"``. This is the measurement, not a
+  record keeps for ``compare``. Keys ``"steps,topk,tokens"`` (a shape where every prompt
+  ended at its first token, so no round ran, has none). This is the measurement, not a
   live decode: ``compare``'s warning is silenced here (one hard prompt at batch 1 falls below
   half of the mean of a record this call is about to replace)."""
   from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
@@ -72,5 +73,6 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
       if r.stats["rounds"]:  # no round: nothing accepted (and no mean)
         rounds += r.stats["rounds"]
         accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
-    out[tree_key(steps, topk, tokens)] = round(accepted / max(rounds, 1), 4)
+    if rounds:  # every prompt ended at its first token: nothing measured at this shape
+      out[tree_key(steps, topk, tokens)] = round(accepted / rounds, 4)
   return out

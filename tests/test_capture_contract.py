@@ -139,6 +139,7 @@ def test_corrupt_record_is_named(saved, target, tmp_path):
   with open(file) as f:
     good = json.load(f)
   for bad in ({"version": 1, "capture": [1]}, [], {**good, "heldout_acceptance": "x"},
+              {**good, "calibration_ids": good["calibration_ids"][:2]},
               {**good, "calibration_ids": [-3] + good["calibration_ids"][1:]}):
     with open(file, "w") as f:
       json.dump(bad, f)
@@ -332,11 +333,21 @@ def test_generate_names_swapped_or_wrong_models(saved, target):
       eagle3jax.generate(*args, [[3, 4]], max_new_tokens=2)
 
 
-def test_draft_vocab_size_zero_is_refused(target):
-  # It used to become the full vocabulary silently (``draft_vocab_size or vocab_size``).
+def test_draft_vocab_size_zero_is_refused(saved, target, tmp_path):
+  # It used to become the full vocabulary silently (``draft_vocab_size or vocab_size``), in
+  # code and in a config.json alike.
   with pytest.raises(ValueError, match="draft_vocab_size=0 must be a positive integer"):
     eagle3jax.DrafterConfig.for_target(target.config, TRAINED, draft_vocab_size=0)
   assert eagle3jax.DrafterConfig.for_target(target.config, TRAINED).draft_vocab_size == 131
+  path = _copy(saved, tmp_path)
+  cfg_path = os.path.join(path, "config.json")
+  with open(cfg_path) as f:
+    cfg = json.load(f)
+  cfg["draft_vocab_size"] = 0
+  with open(cfg_path, "w") as f:
+    json.dump(cfg, f)
+  with pytest.raises(ValueError, match="draft_vocab_size=0 must be a positive integer"):
+    eagle3jax.load_drafter(path, target=target)
 
 
 def test_generate_refuses_a_prng_key_as_seed(saved, target):

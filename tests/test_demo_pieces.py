@@ -19,6 +19,7 @@ import transformers
 import eagle3jax
 from eagle3jax import capture_contract as contract
 from eagle3jax import demo
+from eagle3jax import monitor
 from eagle3jax.safetensors_io import SafetensorsFile
 from eagle3jax.hf_export import save_target
 from eagle3jax.training.lm import LMTrainConfig, train_lm
@@ -158,6 +159,13 @@ def test_make_demo_script_builds_a_pair_that_loads(tmp_path, monkeypatch):
   (manifest, tokenizer, pre-training, export, regeneration, drafter training with its curve,
   bfloat16 export, the held-out record), and a folder the engine loads as the shipped one."""
   out, curve = tmp_path / "demo", tmp_path / "curve.json"
+  # Shorter held-out measurements than the real demo's (8 prompts x 128 new tokens), so that
+  # the test stays short: 2 prompts x 24 tokens.
+  every_prompt, measure = demo.heldout_prompts, monitor.measure_acceptance
+  monkeypatch.setattr(demo, "heldout_prompts",
+                      lambda out_dir, tok, *a, **k: every_prompt(out_dir, tok, 2))
+  monkeypatch.setattr(monitor, "measure_acceptance",
+                      lambda *a, **k: measure(*a, **{**k, "max_new_tokens": 24}))
   monkeypatch.setattr(sys, "argv", [
       "make_demo.py", "--out", str(out), "--curve", str(curve), "--vocab-size", "512",
       "--hidden-size", "32", "--intermediate-size", "64", "--num-layers", "8",

@@ -1,5 +1,6 @@
 """The engine: greedy losslessness, batches, meshes, stopping, compile counts, bad input."""
 
+import collections
 import gc
 import importlib
 
@@ -123,7 +124,10 @@ def test_compiled_programs_are_bounded_and_evicted_ones_freed(monkeypatch):
   freed (jax.jit's own cache let go of it too), so XLA:CPU's memory maps, ~170 a program, stay
   flat instead of reaching vm.max_map_count (LLVM then fails with 'Cannot allocate memory')."""
   generate_mod = importlib.import_module("eagle3jax.generate")
-  # A target of its own: no other test compiled its programs.
+  # A cache of its own (the worker's other programs stay as they are) and a target of its own
+  # (no other test compiled its programs); no bound while one shape's maps are measured.
+  monkeypatch.setattr(generate_mod, "_COMPILED", collections.OrderedDict())
+  monkeypatch.setattr(generate_mod, "MAX_COMPILED", 10**6)
   tgt = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=2, vocab_size=57),
                               seed=0, std=0.1)
 
@@ -140,14 +144,17 @@ def test_compiled_programs_are_bounded_and_evicted_ones_freed(monkeypatch):
   run(2)  # what one more shape's prefill and decode programs hold
   per_shape = maps() - start
   assert per_shape > 0
-  monkeypatch.setattr(generate_mod, "MAX_COMPILED", 2)
-  for batch in range(3, 9):
+  with pytest.raises(ValueError, match="max_compiled=0 must be an integer >= 1"):
+    eagle3jax.set_max_compiled(0)
+  eagle3jax.set_max_compiled(2)  # evicts batch 1's programs now
+  assert len(generate_mod._COMPILED) == 2
+  for batch in range(3, 6):
     assert run(batch).stats["compile_s"] > 0
   assert len(generate_mod._COMPILED) == 2
-  # Only batch 8's programs are held now (batch 1's and 2's were evicted too); holding all
-  # eight shapes' programs would have grown the maps by about 7 * per_shape.
+  # Only batch 5's programs are held now (batch 1's and 2's were evicted too); holding all
+  # five shapes' programs would have grown the maps by about 4 * per_shape.
   assert maps() - start < 2 * per_shape, (maps() - start, per_shape)
-  assert run(8).stats["compile_s"] == 0.0 and run(1).stats["compile_s"] > 0  # evicted
+  assert run(5).stats["compile_s"] == 0.0 and run(1).stats["compile_s"] > 0  # evicted
   eagle3jax.clear_compiled()
   assert not generate_mod._COMPILED and run(1).stats["compile_s"] > 0
 
