@@ -111,11 +111,16 @@ def _compiled(name, fn, *args, **static):
   hit = fn.lower(*args, **static).compile()
   _COMPILED[key] = hit
   _JITS.add(fn)
+  _evict()
+  return hit, time.perf_counter() - t0
+
+
+def _evict() -> None:
+  """Drops the least recently used programs beyond ``MAX_COMPILED``, and frees them."""
   if len(_COMPILED) > MAX_COMPILED:
     while len(_COMPILED) > MAX_COMPILED:
       _COMPILED.popitem(last=False)
-    _drop_jit_caches()  # so that the evicted program is freed
-  return hit, time.perf_counter() - t0
+    _drop_jit_caches()
 
 
 def _drop_jit_caches() -> None:
@@ -137,10 +142,7 @@ def set_max_compiled(n: int) -> None:
   the least recently used now if more are held."""
   global MAX_COMPILED
   MAX_COMPILED = checks.integer("max_compiled", n, 1)
-  if len(_COMPILED) > MAX_COMPILED:
-    while len(_COMPILED) > MAX_COMPILED:
-      _COMPILED.popitem(last=False)
-    _drop_jit_caches()
+  _evict()
 
 
 def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
