@@ -52,7 +52,7 @@ def _run(gen, prompts, batch, *, paired=None):
   autoregressive baseline), so both are timed side by side over the same stretch of wall
   clock; its tokens/s is the fifth value returned (None without ``paired``).
   """
-  outs, new, seconds, rounds, accepted = [], 0, 0.0, 0, 0.0
+  outs, new, seconds, rounds, accepted = [], 0, 0.0, 0, 0
   per_pos = []
   base_new, base_s = 0, 0.0
   for i in range(0, len(prompts), batch):
@@ -64,9 +64,8 @@ def _run(gen, prompts, batch, *, paired=None):
     outs += r.tokens
     new += r.stats["new_tokens"]
     seconds += r.stats["prefill_s"] + r.stats["decode_s"]
-    if r.stats["rounds"]:  # no round: nothing accepted (and no mean)
-      rounds += r.stats["rounds"]
-      accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+    rounds += r.stats["rounds"]
+    accepted += r.stats["accepted"]
     if r.stats["acceptance_per_position"]:
       per_pos.append((r.stats["rounds"], np.asarray(r.stats["acceptance_per_position"])))
   pos = (sum(n * a for n, a in per_pos) / max(rounds, 1)).tolist() if per_pos else []

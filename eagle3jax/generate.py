@@ -226,10 +226,12 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   Returns:
     ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
     + 1 per round), ``acceptance_per_position`` (the fraction of rounds that accepted at least
-    d + 1 drafts), ``rounds``, ``tokens_per_s`` (excluding compilation), ``compile_s``,
-    ``new_tokens``. With no round (``max_new_tokens=1``, or every row's first token an EOS
-    id) ``accept_length_mean`` is None, and so is ``acceptance_per_position`` with a drafter
-    (without one it is always ``[]``). In a multi-process run
+    d + 1 drafts), ``rounds``, ``accepted`` (the sum over rounds of accepted drafts + 1, so
+    pooled acceptance over several calls is ``sum(accepted) / sum(rounds)``), ``tokens_per_s``
+    (excluding compilation), ``compile_s``, ``new_tokens``. With no round
+    (``max_new_tokens=1``, or every row's first token an EOS id) ``accept_length_mean`` is
+    None, and so is ``acceptance_per_position`` with a drafter (without one it is always
+    ``[]``). In a multi-process run
     (``eagle3jax.distributed``) every process makes the same call and gets the same result.
   """
   _check_models(target, drafter)
@@ -351,6 +353,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       "accept_length_mean": float(accepted.sum() / total_rounds) if total_rounds else None,
       "acceptance_per_position": per_pos,
       "rounds": total_rounds,
+      "accepted": int(accepted.sum()),
       "new_tokens": new_tokens,
       "prefill_s": prefill_s,
       "decode_s": decode_s,

@@ -63,16 +63,15 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
   from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
   out = {}
   for steps, topk, tokens in shapes:
-    rounds, accepted = 0, 0.0
+    rounds, accepted = 0, 0
     for i in range(0, len(prompts), batch_size):
       with warnings.catch_warnings():
         warnings.simplefilter("ignore", AcceptanceWarning)
         r = generate(target, drafter, prompts[i:i + batch_size],
                      max_new_tokens=max_new_tokens, num_steps=steps, topk=topk,
                      num_draft_tokens=tokens, eos_ids=eos_ids)
-      if r.stats["rounds"]:  # no round: nothing accepted (and no mean)
-        rounds += r.stats["rounds"]
-        accepted += r.stats["accept_length_mean"] * r.stats["rounds"]
+      rounds += r.stats["rounds"]
+      accepted += r.stats["accepted"]
     if rounds:  # every prompt ended at its first token: nothing measured at this shape
       out[tree_key(steps, topk, tokens)] = round(accepted / rounds, 4)
   return out

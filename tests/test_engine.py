@@ -117,6 +117,20 @@ def test_no_round_reports_no_acceptance(pair):
                          eos_ids=[])
   assert r.stats["rounds"] == 0 and [len(t) for t in r.tokens] == [1, 1, 1]
   assert r.stats["accept_length_mean"] is None and r.stats["acceptance_per_position"] is None
+  assert r.stats["accepted"] == 0
+
+
+def test_accepted_total_counts_the_rounds_tokens(pair):
+  """``accepted`` is the rounds' accepted drafts + 1 summed, so pooled acceptance over calls
+  needs no mean x rounds arithmetic: every token after each row's prefill token came from a
+  round, and only a row's last round may be cut short by max_new_tokens."""
+  r = eagle3jax.generate(pair[0], pair[1], h.PROMPTS, max_new_tokens=MAX_NEW, num_steps=3,
+                         topk=1, num_draft_tokens=4, eos_ids=[])
+  st, rows = r.stats, len(h.PROMPTS)
+  assert isinstance(st["accepted"], int) and st["rounds"] > 0
+  assert st["accepted"] / st["rounds"] == pytest.approx(st["accept_length_mean"], rel=1e-12)
+  after_prefill = st["new_tokens"] - rows
+  assert after_prefill <= st["accepted"] < after_prefill + rows * 4
 
 
 def test_compiled_programs_are_bounded_and_evicted_ones_freed(monkeypatch):
