@@ -11,6 +11,29 @@ CFG = eagle3jax.LlamaConfig.tiny(num_hidden_layers=8, vocab_size=131, eos_token_
 CAPTURE = CaptureSpec((-1, 3, 6))
 
 
+def ancestors(parent, i: int) -> list[int]:
+  """Node ``i`` and its ancestors up to the root (parent -1), deepest first."""
+  out = []
+  while i >= 0:
+    out.append(i)
+    i = parent[i]
+  return out
+
+
+def ancestor_mask(parent) -> np.ndarray:
+  """``[P, P]`` bool: node i sees node j iff j is i or one of its ancestors (a tree
+  verification mask written independently of ``eagle3jax.tree``)."""
+  mask = np.zeros((len(parent), len(parent)), bool)
+  for i in range(len(parent)):
+    mask[i, ancestors(parent, i)] = True
+  return mask
+
+
+def branch(parent, tokens, i: int) -> list:
+  """The tokens on the path from the root to node ``i``, root first."""
+  return [tokens[j] for j in ancestors(parent, i)[::-1]]
+
+
 def target(mesh=None, cfg=CFG):
   return eagle3jax.init_target(cfg, mesh=mesh, seed=0, std=0.1)
 

@@ -237,12 +237,7 @@ def test_tree_extend_matches_full_forward_of_each_branch():
   depth = [0, 1, 1, 2, 2, 3]
   tokens = rng.integers(0, CFG.vocab_size, 6)
   p = len(parent)
-  mask = np.zeros((p, p), bool)
-  for i in range(p):
-    j = i
-    while j >= 0:
-      mask[i, j] = True
-      j = parent[j]
+  mask = engine_helpers.ancestor_mask(parent)
   with jax.set_mesh(model.mesh):
     cache = model.allocate_cache(1, 32, fill=np.nan)  # never rely on zeroed memory
   assert cache.k.shape == (CFG.num_hidden_layers, 1, 32, 1, CFG.kv_lora_rank)
@@ -257,12 +252,7 @@ def test_tree_extend_matches_full_forward_of_each_branch():
   seqs = np.zeros((p, t + 4), np.int64)
   ends = []
   for i in range(p):
-    branch = []
-    j = i
-    while j >= 0:
-      branch.append(tokens[j])
-      j = parent[j]
-    seq = np.concatenate([prefix, branch[::-1]])
+    seq = np.concatenate([prefix, engine_helpers.branch(parent, tokens, i)])
     seqs[i, :len(seq)] = seq
     ends.append(len(seq) - 1)
   full = eagle3jax.forward(model, seqs, capture=capture)

@@ -10,6 +10,7 @@ from flax import nnx
 
 import eagle3jax
 from eagle3jax.capture import CaptureSpec
+from tests import engine_helpers as h
 
 CFG = eagle3jax.LlamaConfig.tiny(num_hidden_layers=4, qkv_bias=True, qk_norm=True)
 CAPTURE = CaptureSpec((-1, 1, 3))
@@ -75,12 +76,7 @@ def test_tree_extend_matches_full_forward_of_each_branch(model):
   depth = [0, 1, 1, 2, 2, 3]
   tokens = rng.integers(0, CFG.vocab_size, 6)
   p = len(parent)
-  mask = np.zeros((p, p), bool)
-  for i in range(p):
-    j = i
-    while j >= 0:
-      mask[i, j] = True
-      j = parent[j]
+  mask = h.ancestor_mask(parent)
   with jax.set_mesh(model.mesh):
     cache = model.allocate_cache(1, 24, fill=np.nan)
   t = len(prefix)
@@ -90,12 +86,7 @@ def test_tree_extend_matches_full_forward_of_each_branch(model):
   lg, ax, _ = _run(model, jnp.asarray(tokens[None]), jnp.asarray(t + np.array(depth))[None],
                    cache, jnp.asarray(mask[None]))
   for i in range(p):
-    branch = []
-    j = i
-    while j >= 0:
-      branch.append(tokens[j])
-      j = parent[j]
-    seq = np.concatenate([prefix, branch[::-1]])[None]
+    seq = np.concatenate([prefix, h.branch(parent, tokens, i)])[None]
     full = eagle3jax.forward(model, seq, capture=CAPTURE)
     np.testing.assert_allclose(np.asarray(lg[0, i]), np.asarray(full.logits[0, -1]), atol=2e-5)
     np.testing.assert_allclose(np.asarray(ax[0, i]), np.asarray(full.aux_hidden[0, -1]),
@@ -183,7 +174,6 @@ def test_decode_round_on_a_data_sharded_mesh_gathers_nothing(tree):
   ``update_rows``: 30 all-gathers of new K/V rows, scatter indices and commit moves)."""
   from eagle3jax import engine as eng, sampling
   from eagle3jax.tree import TreeShape
-  from tests import engine_helpers as h
   mesh = eagle3jax.make_mesh(2, 4)
   tgt = h.target(mesh)
   spec = eng.EngineSpec(tree=TreeShape(*tree), capture=h.CAPTURE,

@@ -10,21 +10,15 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 
 from eagle3jax.kernels import (  # noqa: E402
     tree_attention, tree_attention_reference, tree_attention_sharded, validate_inputs)
+from tests import engine_helpers as h  # noqa: E402
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
 
 def random_tree_mask(rng, batch: int, p: int) -> np.ndarray:
   """``[B, P, P]`` ancestor-closed masks (ancestors and self) of random trees, node 0 the root."""
-  mask = np.zeros((batch, p, p), bool)
-  for b in range(batch):
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, p)]
-    for i in range(p):
-      j = i
-      while j >= 0:
-        mask[b, i, j] = True
-        j = parent[j]
-  return mask
+  return np.stack([h.ancestor_mask([-1] + [int(rng.integers(0, i)) for i in range(1, p)])
+                   for _ in range(batch)])
 
 
 def make_inputs(seed, b, p, s, n, k, h, dtype, *, fill=np.nan, lengths=None):
