@@ -24,8 +24,9 @@ One owner for every check between a drafter and its target:
 Tolerance of the record check: features are compared per calibration token after a fixed
 Gaussian projection to ``PROJECTION_DIM`` dims; the error of a layer is the median over tokens
 (position 0, the attention sink, excluded) of ``|p_live - p_rec| / |p_rec|``. The check first
-runs one forward capturing only the configured layers and passes when each is within
-``FAST_TOL`` (0.05) of its record; otherwise one forward capturing every layer decides: a
+runs one forward capturing only the configured layers and their neighbours and passes when
+each configured layer is within ``FAST_TOL`` (0.05) of its record and no neighbour matches
+markedly better (the rule below); otherwise one forward capturing every layer decides: a
 capture matches a layer when its error is at most ``FEATURE_TOL`` (0.2) and within ``1.5x`` of
 the best layer's, and a record whose captures, embedding or final norm match nothing is "not
 trained on this target". Measured on the shipped pair (12 layers): a bf16 target on a 2x4
@@ -42,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import weakref
 from typing import Sequence
 
 import jax
@@ -73,6 +75,10 @@ PROBE_NEW_TOKENS = 48
 def config_ids(hf: dict) -> tuple[list[int] | None, str | None]:
   """``(ids, recorded convention)`` of a drafter ``config.json`` (None where absent)."""
   eagle = hf.get("eagle_config") or {}
+  for key in (IDS_KEY, "aux_layer_convention"):
+    if key in eagle and key in hf and eagle[key] != hf[key]:
+      raise ValueError(f"drafter config gives {key} twice, {eagle[key]!r} in eagle_config and "
+                       f"{hf[key]!r} at the top level; keep the one it was trained with")
   ids = eagle.get(IDS_KEY, hf.get(IDS_KEY))
   recorded = eagle.get("aux_layer_convention", hf.get("aux_layer_convention"))
   if recorded is not None and recorded not in CONVENTIONS:
@@ -183,6 +189,47 @@ def check_serving_capture(drafter, capture) -> CaptureSpec:
   return capture
 
 
+# Drafters already checked against a target: ``{drafter: (weakref to the target, capture ids,
+# whether the record check was skipped)}``, so ``check_served`` runs once per pair.
+_CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def mark_checked(drafter, target, *, skipped: bool = False) -> None:
+  """Records that ``drafter`` was checked (``skipped``: deliberately not) for ``target``."""
+  _CHECKED[drafter] = (weakref.ref(target), drafter.config.capture.layer_ids, skipped)
+
+
+def check_served(target, drafter) -> None:
+  """At serving time: the drafter drafts for this very target, with the capture it was checked
+  with. A drafter sharing the embedding must hold this target's table (not another target's
+  it was loaded with), and a drafter with a capture record that was checked against another
+  target, or with another capture, is checked again (``verify_record``) on this one."""
+  entry = _CHECKED.get(drafter)
+  capture = drafter.config.capture
+  if entry is not None and entry[0]() is target and entry[1] == capture.layer_ids:
+    return
+  skipped = entry is not None and entry[2]
+  if not drafter.own_embedding and drafter.embed_tokens is not target.embed_tokens:
+    rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
+    ours, theirs = (_rows(m.embed_tokens, target.mesh, rows) for m in (drafter, target))
+    if not np.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * np.abs(theirs).max()):
+      raise ValueError(
+          "the drafter shares the token embedding of another target (the one it was loaded "
+          "or initialised with), not this target's: it would embed tokens with a table this "
+          "target never used. Load it for this target: load_drafter(path, target=...)")
+  record = getattr(drafter, "capture_record", None)
+  if record is not None and not skipped:
+    verify_record(record, target, capture,
+                  where="the drafter (checked when loaded against another target or capture)")
+  mark_checked(drafter, target, skipped=skipped)
+
+
+def _rows(table, mesh, rows) -> np.ndarray:
+  with jax.set_mesh(mesh):
+    out = table[...].at[rows].get(out_sharding=jax.sharding.PartitionSpec())
+  return to_host(out).astype(np.float32)
+
+
 # --- features --------------------------------------------------------------------------------
 
 def every_layer(target) -> CaptureSpec:
@@ -215,7 +262,8 @@ def token_errors(recorded: np.ndarray, live: np.ndarray) -> float:
   """Median over tokens (position 0 excluded) of ``|live - rec| / |rec|``; ``[T, k]`` each."""
   rec, liv = recorded[1:], live[1:]
   err = np.linalg.norm(liv - rec, axis=-1) / np.maximum(np.linalg.norm(rec, axis=-1), 1e-12)
-  return float(np.median(err))
+  out = float(np.median(err))
+  return out if math.isfinite(out) else math.inf  # NaN must fail every "<= tol", and max()
 
 
 def _final_norm(target) -> np.ndarray:
@@ -298,24 +346,52 @@ class CaptureRecord:
         raise ValueError("it is not a JSON object")
       if d.get("version") != RECORD_VERSION:
         raise ValueError(f"version {d.get('version')!r}, expected {RECORD_VERSION}")
-      capture = tuple(int(i) for i in d["capture"])
-      if any(int(t) < 0 for t in d["calibration_ids"]):
-        raise ValueError("negative calibration ids")
-      if len(d["calibration_ids"]) < 4:
-        raise ValueError(f"{len(d['calibration_ids'])} calibration ids; a record has at "
-                         "least 4")
-      arr = lambda a: tuple(map(tuple, np.asarray(a, np.float32).tolist()))  # noqa: E731
-      feats = tuple(arr(d["features"][str(i)]) for i in capture)
+      if d.get("convention", "output") != "output":
+        raise ValueError(f"convention {d.get('convention')!r}; records use 'output'")
+      if d.get("projection_dim", PROJECTION_DIM) != PROJECTION_DIM:
+        raise ValueError(f"projection_dim {d.get('projection_dim')!r}, expected "
+                         f"{PROJECTION_DIM}")
+      capture = CaptureSpec(tuple(_json_int(i, "capture id") for i in d["capture"])).layer_ids
+      ids = tuple(_json_int(t, "calibration id", 0) for t in d["calibration_ids"])
+      if len(ids) < 4:
+        raise ValueError(f"{len(ids)} calibration ids; a record has at least 4")
+      seed = _json_int(d["projection_seed"], "projection_seed", 0)
+      layers = _json_int(d.get("target_layers", 0), "target_layers", 0)
+      if layers and capture[-1] >= layers:
+        raise ValueError(f"capture {list(capture)} beyond its target_layers={layers}")
       fp = d["target_fingerprint"]
-      return cls(capture, tuple(int(t) for t in d["calibration_ids"]),
-                 int(d["projection_seed"]), feats, arr(fp["embedding"]),
-                 tuple(float(x) for x in fp["final_norm"]),
-                 tuple(sorted((str(k), float(v))
-                              for k, v in d.get("heldout_acceptance", {}).items())),
-                 int(d.get("target_layers", 0)))
-    except (AttributeError, KeyError, TypeError, ValueError) as e:
-      raise ValueError(f"{where} is not a valid eagle3jax capture record ({e}); delete it to "
+      feats = tuple(_json_array(d["features"][str(i)], (len(ids), PROJECTION_DIM),
+                                f"features of capture {i}") for i in capture)
+      emb = _json_array(fp["embedding"], (len(ids), PROJECTION_DIM), "embedding")
+      norm = _json_array(fp["final_norm"], (PROJECTION_DIM,), "final_norm")
+      acceptance = {str(k): float(v) for k, v in d.get("heldout_acceptance", {}).items()}
+      if not all(math.isfinite(v) and v >= 1 for v in acceptance.values()):
+        raise ValueError(f"heldout_acceptance {acceptance} must be lengths >= 1")
+      return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
+                 tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
+                 tuple(sorted(acceptance.items())), layers)
+    except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as e:
+      why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+      raise ValueError(f"{where} is not a valid eagle3jax capture record ({why}); delete it to "
                        "load the drafter with the probe instead") from None
+
+
+def _json_int(x, what: str, low: int | None = None) -> int:
+  if isinstance(x, bool) or not isinstance(x, int):
+    raise ValueError(f"{what} {x!r} is not an integer")
+  if low is not None and x < low:
+    raise ValueError(f"{what} {x} is below {low}")
+  return x
+
+
+def _json_array(x, shape: tuple, what: str) -> np.ndarray:
+  a = np.asarray(x, np.float64)
+  if a.shape != shape:
+    raise ValueError(f"{what} has shape {list(a.shape)}, expected {list(shape)} (calibration "
+                     f"tokens x {PROJECTION_DIM})")
+  if not np.isfinite(a).all():
+    raise ValueError(f"{what} holds NaN or Inf")
+  return a.astype(np.float32)
 
 
 def tree_key(steps: int, topk: int, tokens: int) -> str:
@@ -364,8 +440,8 @@ def read_record(path: str) -> CaptureRecord | None:
   with open(file) as f:
     try:
       data = json.load(f)
-    except ValueError as e:
-      raise ValueError(f"{file} is not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:
+      raise ValueError(f"{file} is not valid JSON ({type(e).__name__}: {e})") from None
   return CaptureRecord.from_json(data, file)
 
 
@@ -402,6 +478,11 @@ def compare_record(record: CaptureRecord, target, layers: Sequence[int] | None =
     inf = {i: math.inf for i in searched}
     return Verdict(tuple(inf for _ in record.capture), math.inf, math.inf)
   feats, _ = layer_features(target, ids, searched)
+  broken = [i for i, f in feats.items() if not np.isfinite(f).all()]
+  if broken:
+    raise ValueError(f"the target's hidden states at layers {broken} (-1 = embedding) hold NaN "
+                     f"or Inf on the capture record's calibration tokens: its weights are "
+                     f"broken, so no drafter can be checked against (or served with) it")
   proj = projection(target.hidden_size, record.seed)
   live = {i: f[0] @ proj for i, f in feats.items()}             # [T, k] each
   errors = tuple({i: token_errors(np.asarray(rec, np.float32), p) for i, p in live.items()}
@@ -410,15 +491,16 @@ def compare_record(record: CaptureRecord, target, layers: Sequence[int] | None =
   rec_norm = np.asarray(record.final_norm, np.float32)
   norm = float(np.linalg.norm(_final_norm(target) @ proj - rec_norm)
                / max(np.linalg.norm(rec_norm), 1e-12))
-  return Verdict(errors, emb, norm)
+  return Verdict(errors, emb, norm if math.isfinite(norm) else math.inf)
 
 
 def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
                   where: str = "the drafter") -> str:
   """Raises ValueError unless ``configured`` captures what the record was trained on.
 
-  Fast path: one forward capturing only the configured layers (and the embedding); when each
-  is within ``FAST_TOL`` of its recorded features the check passes. Otherwise one forward
+  Fast path: one forward capturing only the configured layers, their neighbours and the
+  embedding; when each configured layer is within ``FAST_TOL`` of its recorded features and
+  is its neighbourhood's match (``Verdict.matches``) the check passes. Otherwise one forward
   capturing every layer finds which layers the recorded features are, for the message (and
   passes a configured capture that is the best match within ``FEATURE_TOL``, as a quantised
   target may need).
@@ -436,10 +518,15 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
         f"one (verify_capture=False skips this check)")
   same_len = len(configured.layer_ids) == len(record.capture)
   if same_len:
-    fast = compare_record(record, target, configured.layer_ids)
+    # The configured layers and their neighbours: a neighbour that matches as well (a layer
+    # whose update is small) sends the check to the every-layer search below.
+    near = {n for c in configured.layer_ids for n in (c - 1, c, c + 1)
+            if EMBEDDING <= n < target.num_layers}
+    fast = compare_record(record, target, sorted(near))
     worst = max(e[c] for e, c in zip(fast.errors, configured.layer_ids))
     if (worst <= FAST_TOL and fast.embedding_error <= FEATURE_TOL
-        and fast.norm_error <= FEATURE_TOL):
+        and fast.norm_error <= FEATURE_TOL
+        and all(fast.matches(j, c) for j, c in enumerate(configured.layer_ids))):
       return f"capture record verified (largest feature error {worst:.4f} <= {FAST_TOL})"
   verdict = compare_record(record, target)
   if not verdict.same_target:

@@ -265,6 +265,12 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
   if verify_capture:
     explanation = _verify(drafter, target, record, capture, readings, aux_layer_convention,
                           hf, explanation, where)
+  else:
+    explanation += "; capture NOT verified (verify_capture=False)"
+    log.warning("%s: capture %s NOT verified (verify_capture=False): if it is not what the "
+                "drafter was trained on, acceptance collapses without any other sign", where,
+                drafter.config.capture.as_list())
+  contract.mark_checked(drafter, target, skipped=not verify_capture)
   log.info("drafter %s: %s", path, explanation)
   drafter.capture_explanation = explanation
   return drafter
@@ -349,7 +355,9 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
                         fill, kv_repeat)
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None
-  return _attach(drafter, target, mesh)
+  drafter = _attach(drafter, target, mesh)
+  contract.mark_checked(drafter, target)
+  return drafter
 
 
 def _target_head(target, cfg: DrafterConfig, ids: np.ndarray) -> dict[str, np.ndarray]:
@@ -398,8 +406,10 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
       the config names ``target_hidden_size``; ``False`` leaves it out for engines that share
       the target's.
     target: the target it drafts for; with it a fresh capture record is taken
-      (``eagle3jax.capture_contract``). Without it the drafter's loaded record, if any, is
-      written again (its ``acceptance`` merged).
+      (``eagle3jax.capture_contract``), after the drafter's loaded record, if any, is checked
+      against it (a record is never replaced by one that vouches for another target or
+      capture). Without it the loaded record, if any, is written again (its ``acceptance``
+      merged); a record whose capture is not the config's is refused.
     calibration_ids: token ids the record's features are taken at (default: seeded ids of the
       draft vocabulary; ``train_drafter`` passes training tokens).
     acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.
@@ -440,7 +450,16 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
   tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
   record = getattr(drafter, "capture_record", None)
+  if target is None and record is not None and record.capture != cfg.capture.layer_ids:
+    raise ValueError(
+        f"the drafter's capture record says it was trained on target layers "
+        f"{list(record.capture)}, but its config captures {cfg.capture.as_list()}: saving it "
+        f"would drop the record, and with it the proof. Pass target= to check the record "
+        f"against that capture and take a fresh one, or set drafter.capture_record = None if "
+        f"the drafter was retrained for {cfg.capture.as_list()}")
   if target is not None:  # on every process: the record runs the target
+    if record is not None:  # a fresh record must not vouch for what the old one refuses
+      contract.verify_record(record, target, cfg.capture, where="the drafter being saved")
     ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
            else calibration_ids)
     old = dict(record.acceptance) if record is not None else {}

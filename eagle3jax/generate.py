@@ -286,6 +286,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     num_draft_tokens = checks.integer("num_draft_tokens", num_draft_tokens)
     tree = TreeShape(num_steps, topk, num_draft_tokens)
     contract.check_mesh(target, drafter.mesh)
+    contract.check_served(target, drafter)
     asked = as_capture_spec(capture)
     if asked is not None:  # out of range is said as such, not as "differs from the trained"
       asked.validate(cfg.num_hidden_layers)

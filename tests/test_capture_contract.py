@@ -138,13 +138,125 @@ def test_corrupt_record_is_named(saved, target, tmp_path):
   file = os.path.join(path, contract.RECORD_FILE)
   with open(file) as f:
     good = json.load(f)
-  for bad in ({"version": 1, "capture": [1]}, [], {**good, "heldout_acceptance": "x"},
-              {**good, "calibration_ids": good["calibration_ids"][:2]},
-              {**good, "calibration_ids": [-3] + good["calibration_ids"][1:]}):
+  feats = good["features"]
+  nan_feat = {**feats, "6": [[float("nan")] + r[1:] for r in feats["6"]]}
+  fp = good["target_fingerprint"]
+  for bad, why in (({"version": 1, "capture": [1]}, "missing field 'calibration_ids'"), ([], "not a JSON object"),
+                   ({**good, "heldout_acceptance": "x"}, "items"),
+                   ({**good, "calibration_ids": good["calibration_ids"][:2]}, "at least 4"),
+                   ({**good, "calibration_ids": [-3] + good["calibration_ids"][1:]},
+                    "below 0"),
+                   # One NaN used to drop out of max() and switch the capture's check off.
+                   ({**good, "features": nan_feat}, "features of capture 6 holds NaN"),
+                   ({**good, "calibration_ids": [1e400] + good["calibration_ids"][1:]},
+                    "not an integer"),
+                   ({**good, "projection_seed": -1}, "below 0"),
+                   ({**good, "projection_dim": 8}, "projection_dim 8"),
+                   ({**good, "convention": "input"}, "convention 'input'"),
+                   ({**good, "capture": [6, 3, -1]}, "ascending"),
+                   ({**good, "features": {**feats, "6": [r[:8] for r in feats["6"]]}},
+                    r"features of capture 6 has shape \[32, 8\]"),
+                   ({**good,
+                     "target_fingerprint": {**fp, "final_norm": fp["final_norm"][:8]}},
+                    "final_norm has shape"),
+                   ({**good, "target_layers": 6}, "beyond its target_layers=6")):
     with open(file, "w") as f:
       json.dump(bad, f)
-    with pytest.raises(ValueError, match="not a valid eagle3jax capture record"):
+    with pytest.raises(ValueError, match="not a valid eagle3jax capture record") as e:
       eagle3jax.load_drafter(path, target=target)
+    assert e.match(why), (why, str(e.value))
+  with open(file, "w") as f:
+    f.write("[" * 100000 + "]" * 100000)
+  with pytest.raises(ValueError, match="is not valid JSON"):
+    eagle3jax.load_drafter(path, target=target)
+
+
+def test_ids_given_twice_must_agree(saved, target, tmp_path):
+  path = _copy(saved, tmp_path)
+  cfg_path = os.path.join(path, "config.json")
+  with open(cfg_path) as f:
+    cfg = json.load(f)
+  with open(cfg_path, "w") as f:
+    json.dump({**cfg, IDS: [0, 4, 7], "aux_layer_convention": "input"}, f)
+  with pytest.raises(ValueError, match=r"gives eagle_aux_hidden_state_layer_ids twice, "
+                                       r"\[-1, 3, 6\] in eagle_config and \[0, 4, 7\]"):
+    eagle3jax.load_drafter(path, target=target)
+
+
+def test_a_neighbouring_layer_that_barely_changes_is_not_waved_through(target, tmp_path):
+  """Layer 6's update scaled by 0.05: the record of [-1, 3, 6] is within FAST_TOL of layer 5
+  too (0.015), but layer 6 matches far better (0.0), so config [-1, 3, 5] is refused by name.
+  (At 1e-3 the two layers' features agree to 0.0003 and either may serve.)"""
+  from flax import nnx
+  model = H.target()
+  graphdef, state = nnx.split(model)
+  flat = dict(nnx.to_flat_state(state))
+  for path, var in flat.items():
+    if any(k in path for k in ("o_proj", "down_proj")):
+      arr = var[...]
+      var[...] = arr.at[6].multiply(0.05)
+  quiet = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  path = str(tmp_path / "d")
+  eagle3jax.save_drafter(H.copy_drafter(quiet), path, target=quiet)
+  with open(os.path.join(path, "config.json")) as f:
+    cfg = json.load(f)
+  cfg["eagle_config"][IDS] = [-1, 3, 5]
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  rec = contract.read_record(path)
+  fast = contract.compare_record(rec, quiet, [4, 5, 6])
+  assert fast.errors[2][5] <= contract.FAST_TOL  # the old fast path passed this
+  with pytest.raises(ValueError, match=r"are those of layers \[-1, 3, 6\]"):
+    eagle3jax.load_drafter(path, target=quiet)
+
+
+def test_a_target_with_nan_hidden_states_is_named(saved):
+  from flax import nnx
+  model = H.target()
+  graphdef, state = nnx.split(model)
+  flat = dict(nnx.to_flat_state(state))
+  for path, var in flat.items():
+    if "down_proj" in path:
+      var[...] = var[...].at[5].set(jnp.nan)
+  broken = nnx.merge(graphdef, nnx.from_flat_state(flat))
+  with pytest.raises(ValueError, match=r"hidden states at layers \[5, 6, 7\] .* hold NaN"):
+    eagle3jax.load_drafter(saved, target=broken)
+
+
+def test_generate_checks_the_drafter_against_the_target_it_is_given(saved, target):
+  """A drafter checked for one target and served with another of the same shapes, or with
+  its capture changed after loading, is refused by generate (it used to run silently)."""
+  dr = eagle3jax.load_drafter(saved, target=target)
+  kw = dict(max_new_tokens=4, num_steps=3, eos_ids=[])
+  eagle3jax.generate(target, dr, [[5, 6, 7]], **kw)
+  other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)
+  with pytest.raises(ValueError, match="shares the token embedding of another target"):
+    eagle3jax.generate(other, dr, [[5, 6, 7]], **kw)
+  dr.config = dataclasses.replace(dr.config, capture=eagle3jax.CaptureSpec((-1, 3, 5)))
+  with pytest.raises(ValueError, match=r"configured to capture target layers \[-1, 3, 5\]"):
+      eagle3jax.generate(target, dr, [[5, 6, 7]], **kw)
+  dr.config = dataclasses.replace(dr.config, capture=TRAINED)
+  eagle3jax.generate(target, dr, [[5, 6, 7]], **kw)  # put right, it serves again
+
+
+def test_save_never_launders_a_record(saved, target, tmp_path):
+  """A new record is taken only after the old one is checked against the target and capture
+  it is about to vouch for, and a record that disagrees with the config is not dropped."""
+  other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)
+  own = eagle3jax.load_drafter(saved, target=other, verify_capture=False)
+  with pytest.raises(ValueError, match="the drafter being saved was not trained on this target"):
+    eagle3jax.save_drafter(own, str(tmp_path / "a"), target=other)
+  dr = eagle3jax.load_drafter(_copy(saved, tmp_path, ids=[-1, 3, 5]), target=target,
+                              verify_capture=False)
+  with pytest.raises(ValueError, match=r"configured to capture target layers \[-1, 3, 5\]"):
+    eagle3jax.save_drafter(dr, str(tmp_path / "b"), target=target)
+  with pytest.raises(ValueError, match=r"trained on target layers \[-1, 3, 6\], but its "
+                                       r"config captures \[-1, 3, 5\]"):
+    eagle3jax.save_drafter(dr, str(tmp_path / "c"))
+  # The same drafter with its capture put right saves, and its record carries over.
+  dr.config = dataclasses.replace(dr.config, capture=TRAINED)
+  eagle3jax.save_drafter(dr, str(tmp_path / "d"))
+  assert contract.read_record(str(tmp_path / "d")).capture == TRAINED.layer_ids
 
 
 # --- the probe (drafters without a record) ------------------------------------------------
