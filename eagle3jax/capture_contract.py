@@ -365,8 +365,8 @@ class CaptureRecord:
       emb = _json_array(fp["embedding"], (len(ids), PROJECTION_DIM), "embedding")
       norm = _json_array(fp["final_norm"], (PROJECTION_DIM,), "final_norm")
       acceptance = {str(k): float(v) for k, v in d.get("heldout_acceptance", {}).items()}
-      if not all(math.isfinite(v) and v >= 1 for v in acceptance.values()):
-        raise ValueError(f"heldout_acceptance {acceptance} must be lengths >= 1")
+      if not all(math.isfinite(v) and v >= 0 for v in acceptance.values()):
+        raise ValueError(f"heldout_acceptance {acceptance} must be finite lengths")
       return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
                  tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
                  tuple(sorted(acceptance.items())), layers)
