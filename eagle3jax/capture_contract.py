@@ -43,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import weakref
 from typing import Sequence
 
@@ -189,39 +190,80 @@ def check_serving_capture(drafter, capture) -> CaptureSpec:
   return capture
 
 
-# Drafters already checked against a target: ``{drafter: (weakref to the target, capture ids,
-# whether the record check was skipped)}``, so ``check_served`` runs once per pair.
+# Per drafter, the targets it was checked against: ``{drafter: [(weakref to the target, weakrefs
+# to its embedding and final-norm arrays, capture ids, the record object)]}`` (the last
+# ``CHECKED_PER_DRAFTER``), so ``check_served`` costs a dictionary lookup once a pair is known.
+# The arrays' weakrefs die when the target's weights are replaced (``nnx.update``).
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+CHECKED_PER_DRAFTER = 4
 
 
-def mark_checked(drafter, target, *, skipped: bool = False) -> None:
-  """Records that ``drafter`` was checked (``skipped``: deliberately not) for ``target``."""
-  _CHECKED[drafter] = (weakref.ref(target), drafter.config.capture.layer_ids, skipped)
+def _target_key(target) -> tuple:
+  return (weakref.ref(target), weakref.ref(target.embed_tokens[...]),
+          weakref.ref(target.norm.weight[...]))
 
 
-def check_served(target, drafter) -> None:
-  """At serving time: the drafter drafts for this very target, with the capture it was checked
-  with. A drafter sharing the embedding must hold this target's table (not another target's
-  it was loaded with), and a drafter with a capture record that was checked against another
-  target, or with another capture, is checked again (``verify_record``) on this one."""
-  entry = _CHECKED.get(drafter)
+def _same_target(key: tuple, target) -> bool:
+  ref, emb, norm = key
+  return (ref() is target and emb() is target.embed_tokens[...]
+          and norm() is target.norm.weight[...])
+
+
+def mark_checked(drafter, target) -> None:
+  """Records that ``drafter`` was checked for ``target`` with its current capture and record
+  (or created for it). ``drafter.capture_check_skipped`` says whether the check was skipped."""
+  entries = [e for e in _CHECKED.get(drafter, []) if e[0][0]() is not None]
+  entries.append((_target_key(target), drafter.config.capture.layer_ids,
+                  getattr(drafter, "capture_record", None)))
+  _CHECKED[drafter] = entries[-CHECKED_PER_DRAFTER:]
+
+
+def check_served(target, drafter, where: str = "the drafter passed to generate") -> None:
+  """At serving time: the drafter drafts for this very target (same object, same weights),
+  with the capture and record it was checked with.
+
+  * A drafter sharing the embedding must hold this target's table.
+  * A drafter with a capture record that was checked against another target, other weights,
+    another capture or another record is checked again (``verify_record``) on this one, unless
+    ``load_drafter(verify_capture=False)`` opted out.
+  * A drafter without a record whose capture changed since it was loaded or initialised is
+    refused: nothing can check the new capture.
+  """
+  entries = _CHECKED.get(drafter, [])
   capture = drafter.config.capture
-  if entry is not None and entry[0]() is target and entry[1] == capture.layer_ids:
-    return
-  skipped = entry is not None and entry[2]
+  record = getattr(drafter, "capture_record", None)
+  for key, ids, rec in entries:
+    if _same_target(key, target) and ids == capture.layer_ids and rec is record:
+      return
   if not drafter.own_embedding and drafter.embed_tokens is not target.embed_tokens:
     rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
     ours, theirs = (_rows(m.embed_tokens, target.mesh, rows) for m in (drafter, target))
     if not np.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * np.abs(theirs).max()):
       raise ValueError(
-          "the drafter shares the token embedding of another target (the one it was loaded "
-          "or initialised with), not this target's: it would embed tokens with a table this "
-          "target never used. Load it for this target: load_drafter(path, target=...)")
-  record = getattr(drafter, "capture_record", None)
-  if record is not None and not skipped:
-    verify_record(record, target, capture,
-                  where="the drafter (checked when loaded against another target or capture)")
-  mark_checked(drafter, target, skipped=skipped)
+          f"{where} shares the token embedding of another target (the one it was loaded or "
+          f"initialised for), not this target's: it would embed tokens with a table this "
+          f"target does not use. Load (load_drafter) or initialise (init_drafter) it with "
+          f"target= this target")
+  if record is not None:
+    if not getattr(drafter, "capture_check_skipped", False):
+      verify_record(record, target, capture, where=where,
+                    hint="load it for this target with load_drafter(path, target=...)")
+  else:
+    check_capture_unchanged(drafter, where)
+  mark_checked(drafter, target)
+
+
+def check_capture_unchanged(drafter, where: str) -> None:
+  """A drafter without a capture record keeps the capture it was loaded or initialised with
+  (or any it was served with since): nothing could check another."""
+  known = {ids for _, ids, _ in _CHECKED.get(drafter, [])}
+  capture = drafter.config.capture
+  if known and capture.layer_ids not in known:
+    raise ValueError(
+        f"{where} has no capture record, and its capture was changed to {capture.as_list()} "
+        f"after it was loaded or initialised with {[list(i) for i in sorted(known)]}: nothing "
+        f"can check the new one. Load it again with the capture in its config.json "
+        f"(aux_layer_convention if the ids are ambiguous), or initialise it with that capture")
 
 
 def _rows(table, mesh, rows) -> np.ndarray:
@@ -364,9 +406,13 @@ class CaptureRecord:
                                 f"features of capture {i}") for i in capture)
       emb = _json_array(fp["embedding"], (len(ids), PROJECTION_DIM), "embedding")
       norm = _json_array(fp["final_norm"], (PROJECTION_DIM,), "final_norm")
-      acceptance = {str(k): float(v) for k, v in d.get("heldout_acceptance", {}).items()}
-      if not all(math.isfinite(v) and v >= 0 for v in acceptance.values()):
-        raise ValueError(f"heldout_acceptance {acceptance} must be finite lengths")
+      acceptance = d.get("heldout_acceptance", {})
+      for k, v in acceptance.items():
+        if (not re.fullmatch(r"\d+,\d+,\d+", k) or isinstance(v, bool)
+            or not isinstance(v, (int, float)) or not 1 <= v < math.inf):
+          raise ValueError(f"heldout_acceptance {{{k!r}: {v!r}}}: keys are 'steps,topk,tokens' "
+                           f"and values acceptance lengths >= 1")
+      acceptance = {k: float(v) for k, v in acceptance.items()}
       return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
                  tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
                  tuple(sorted(acceptance.items())), layers)
@@ -385,7 +431,9 @@ def _json_int(x, what: str, low: int | None = None) -> int:
 
 
 def _json_array(x, shape: tuple, what: str) -> np.ndarray:
-  a = np.asarray(x, np.float64)
+  a = np.asarray(x)
+  if a.dtype.kind not in "iuf":
+    raise ValueError(f"{what} holds {a.dtype.name} values, not numbers")
   if a.shape != shape:
     raise ValueError(f"{what} has shape {list(a.shape)}, expected {list(shape)} (calibration "
                      f"tokens x {PROJECTION_DIM})")
@@ -494,8 +542,11 @@ def compare_record(record: CaptureRecord, target, layers: Sequence[int] | None =
   return Verdict(errors, emb, norm if math.isfinite(norm) else math.inf)
 
 
+LOAD_HINT = "verify_capture=False skips this check"
+
+
 def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
-                  where: str = "the drafter") -> str:
+                  where: str = "the drafter", hint: str = LOAD_HINT) -> str:
   """Raises ValueError unless ``configured`` captures what the record was trained on.
 
   Fast path: one forward capturing only the configured layers, their neighbours and the
@@ -515,7 +566,7 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
         f"{where} was not trained on this target: its record's calibration tokens go up to id "
         f"{top}, beyond this target's vocab_size={target.config.vocab_size} (a target with a "
         f"larger vocabulary took it). Use the target it was trained for, or retrain it on this "
-        f"one (verify_capture=False skips this check)")
+        f"one ({hint})")
   same_len = len(configured.layer_ids) == len(record.capture)
   if same_len:
     # The configured layers and their neighbours: a neighbour that matches as well (a layer
@@ -536,7 +587,7 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
         f"relative errors {[round(min(e.values()), 3) for e in verdict.errors]}, embedding "
         f"{verdict.embedding_error:.3f}, final norm {verdict.norm_error:.3f}; tolerance "
         f"{FEATURE_TOL}). Use the target it was trained for, or retrain it on this one "
-        f"(verify_capture=False skips this check)")
+        f"({hint})")
   best = verdict.best()
   if not same_len or not all(verdict.matches(j, c) for j, c in enumerate(configured.layer_ids)):
     raise ValueError(
@@ -546,7 +597,7 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
         f"{list(record.capture)}; every layer and the embedding were searched). Serving other "
         f"hidden states than the training data silently destroys acceptance: fix "
         f"eagle_config.{IDS_KEY} to {best} with aux_layer_convention 'output' "
-        f"(verify_capture=False skips this check)")
+        f"({hint})")
   worst = max(verdict.errors[j][c] for j, c in enumerate(configured.layer_ids))
   return (f"capture record verified on every layer (largest feature error {worst:.4f} <= "
           f"{FEATURE_TOL}, the best match of each capture)")

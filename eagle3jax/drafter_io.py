@@ -270,7 +270,8 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
     log.warning("%s: capture %s NOT verified (verify_capture=False): if it is not what the "
                 "drafter was trained on, acceptance collapses without any other sign", where,
                 drafter.config.capture.as_list())
-  contract.mark_checked(drafter, target, skipped=not verify_capture)
+  drafter.capture_check_skipped = not verify_capture  # an attribute: it survives nnx copies
+  contract.mark_checked(drafter, target)
   log.info("drafter %s: %s", path, explanation)
   drafter.capture_explanation = explanation
   return drafter
@@ -355,6 +356,7 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
                         fill, kv_repeat)
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None
+  drafter.capture_check_skipped = False
   drafter = _attach(drafter, target, mesh)
   contract.mark_checked(drafter, target)
   return drafter
@@ -458,8 +460,13 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
         f"against that capture and take a fresh one, or set drafter.capture_record = None if "
         f"the drafter was retrained for {cfg.capture.as_list()}")
   if target is not None:  # on every process: the record runs the target
+    where = "the drafter being saved"
     if record is not None:  # a fresh record must not vouch for what the old one refuses
-      contract.verify_record(record, target, cfg.capture, where="the drafter being saved")
+      contract.verify_record(record, target, cfg.capture, where=where, hint=(
+          "set drafter.capture_record = None first if the drafter was retrained for this "
+          "target and capture"))
+    else:
+      contract.check_capture_unchanged(drafter, where)
     ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
            else calibration_ids)
     old = dict(record.acceptance) if record is not None else {}

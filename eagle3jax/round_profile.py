@@ -51,6 +51,7 @@ def phase_times(target, drafter, prompt: list[int], tree: TreeShape, *,
                 max_new_tokens: int = 128, warm_rounds: int = 4,
                 repeats: int = 40) -> dict[str, float]:
   """Milliseconds of each phase of a greedy batch-1 round at ``tree`` (``PHASES``)."""
+  contract.check_served(target, drafter, where="the drafter passed to phase_times")
   spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=True, top_k=0),
                         capture=contract.check_serving_capture(drafter, None))
   with jax.set_mesh(target.mesh):

@@ -154,6 +154,12 @@ def test_corrupt_record_is_named(saved, target, tmp_path):
                    ({**good, "projection_dim": 8}, "projection_dim 8"),
                    ({**good, "convention": "input"}, "convention 'input'"),
                    ({**good, "capture": [6, 3, -1]}, "ascending"),
+                   ({**good, "heldout_acceptance": {"3,1,4": "4.5"}}, "lengths >= 1"),
+                   ({**good, "heldout_acceptance": {"nonsense": 2.0}}, "'steps,topk,tokens'"),
+                   ({**good, "heldout_acceptance": {"3,1,4": 0.5}}, "lengths >= 1"),
+                   ({**good, "features": {**feats, "6": [[str(x) for x in r]
+                                                         for r in feats["6"]]}},
+                    "holds str"),
                    ({**good, "features": {**feats, "6": [r[:8] for r in feats["6"]]}},
                     r"features of capture 6 has shape \[32, 8\]"),
                    ({**good,
@@ -237,6 +243,31 @@ def test_generate_checks_the_drafter_against_the_target_it_is_given(saved, targe
       eagle3jax.generate(target, dr, [[5, 6, 7]], **kw)
   dr.config = dataclasses.replace(dr.config, capture=TRAINED)
   eagle3jax.generate(target, dr, [[5, 6, 7]], **kw)  # put right, it serves again
+
+
+def test_generate_notices_replaced_weights_copies_and_recordless_capture_changes(saved):
+  from flax import nnx
+  mine = H.target()
+  dr = eagle3jax.load_drafter(saved, target=mine)
+  kw = dict(max_new_tokens=4, num_steps=3, eos_ids=[])
+  eagle3jax.generate(mine, dr, [[5, 6, 7]], **kw)
+  # The same target object with another target's weights put in: checked again, refused.
+  nnx.update(mine, nnx.state(eagle3jax.init_target(H.CFG, seed=7, std=0.1)))
+  with pytest.raises(ValueError, match="was not trained on this target"):
+    eagle3jax.generate(mine, dr, [[5, 6, 7]], **kw)
+  # An opt-out survives a copy of the drafter (it is an attribute, not a side table).
+  skip = eagle3jax.load_drafter(saved, target=mine, verify_capture=False)
+  eagle3jax.generate(mine, nnx.clone(skip), [[5, 6, 7]], **kw)
+  # No record: a capture changed after initialisation cannot be checked, so it is refused,
+  # in generate and in a save that would write a record for it.
+  fresh = H.target()
+  plain = H.random_drafter(fresh)
+  plain.config = dataclasses.replace(plain.config, capture=eagle3jax.CaptureSpec((-1, 3, 5)))
+  with pytest.raises(ValueError, match=r"no capture record, and its capture was changed to "
+                                       r"\[-1, 3, 5\]"):
+    eagle3jax.generate(fresh, plain, [[5, 6, 7]], **kw)
+  with pytest.raises(ValueError, match="the drafter being saved has no capture record"):
+    eagle3jax.save_drafter(plain, "/nonexistent/never-written", target=fresh)
 
 
 def test_save_never_launders_a_record(saved, target, tmp_path):

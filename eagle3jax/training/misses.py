@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3jax import capture_contract as contract
 from eagle3jax import vocab_parallel as vp
 from eagle3jax.api import check_tokens
 from eagle3jax.capture import CaptureSpec
@@ -123,6 +124,7 @@ def miss_breakdown(target, drafter, tokens, loss_mask, *, steps: int = 7,
   Bins are ``[0, e_0), [e_0, e_1), ..., [e_last, inf)`` of ``gap_edges`` (nats) and
   ``position_edges`` (index in the response).
   """
+  contract.check_served(target, drafter, where="the drafter passed to miss_breakdown")
   tokens = check_tokens(tokens, target.config.vocab_size, "tokens")
   loss_mask = np.asarray(loss_mask)
   if loss_mask.shape != tokens.shape or loss_mask.dtype != bool:
