@@ -236,8 +236,7 @@ def check_served(target, drafter, where: str = "the drafter passed to generate")
     if _same_target(key, target) and ids == capture.layer_ids and rec is record:
       return
   if not drafter.own_embedding and drafter.embed_tokens is not target.embed_tokens:
-    rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
-    ours, theirs = (_rows(m.embed_tokens, target.mesh, rows) for m in (drafter, target))
+    ours, theirs = (_embedding_rows(m, target.mesh) for m in (drafter, target))
     if not np.allclose(ours, theirs, rtol=1e-2, atol=1e-2 * np.abs(theirs).max()):
       raise ValueError(
           f"{where} shares the token embedding of another target (the one it was loaded or "
@@ -266,9 +265,12 @@ def check_capture_unchanged(drafter, where: str) -> None:
         f"(aux_layer_convention if the ids are ambiguous), or initialise it with that capture")
 
 
-def _rows(table, mesh, rows) -> np.ndarray:
+def _embedding_rows(model, mesh) -> np.ndarray:
+  """``[8, D]`` float32: 8 evenly spaced rows of a target's or drafter's token embedding."""
+  table = model.embed_tokens[...]
+  rows = np.linspace(0, table.shape[0] - 1, 8).astype(np.int32)
   with jax.set_mesh(mesh):
-    out = table[...].at[rows].get(out_sharding=jax.sharding.PartitionSpec())
+    out = table.at[rows].get(out_sharding=jax.sharding.PartitionSpec())
   return to_host(out).astype(np.float32)
 
 
@@ -316,10 +318,7 @@ def target_fingerprint(target, seed: int = 0) -> dict:
   """A small JSON-able identity of a target's weights: sizes, and projections of its final-norm
   scale and of 8 embedding rows (robust to dtype and mesh; compared by ``same_fingerprint``)."""
   proj = projection(target.hidden_size, seed)
-  rows = np.linspace(0, target.config.vocab_size - 1, 8).astype(np.int32)
-  with jax.set_mesh(target.mesh):
-    emb = target.embed_tokens[...].at[rows].get(out_sharding=jax.sharding.PartitionSpec())
-  emb = to_host(emb).astype(np.float32)
+  emb = _embedding_rows(target, target.mesh)
   return {"num_layers": target.num_layers, "hidden_size": target.hidden_size,
           "vocab_size": target.config.vocab_size,
           "final_norm": np.round(_final_norm(target) @ proj, 6).tolist(),

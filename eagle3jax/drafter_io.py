@@ -421,6 +421,22 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
                      f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
                      "YaRN attention factor), so no engine would load it back as trained")
+  record = getattr(drafter, "capture_record", None)
+  if target is None and record is not None and record.capture != cfg.capture.layer_ids:
+    raise ValueError(
+        f"the drafter's capture record says it was trained on target layers "
+        f"{list(record.capture)}, but its config captures {cfg.capture.as_list()}: saving it "
+        f"would drop the record, and with it the proof. Pass target= to check the record "
+        f"against that capture and take a fresh one, or set drafter.capture_record = None if "
+        f"the drafter was retrained for {cfg.capture.as_list()}")
+  if target is not None:  # checked before anything is gathered or written
+    where = "the drafter being saved"
+    if record is not None:  # a fresh record must not vouch for what the old one refuses
+      contract.verify_record(record, target, cfg.capture, where=where, hint=(
+          "set drafter.capture_record = None first if the drafter was retrained for this "
+          "target and capture"))
+    else:
+      contract.check_capture_unchanged(drafter, where)
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
   r = drafter.kv_repeat
@@ -451,22 +467,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   if include_embedding or drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
   tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
-  record = getattr(drafter, "capture_record", None)
-  if target is None and record is not None and record.capture != cfg.capture.layer_ids:
-    raise ValueError(
-        f"the drafter's capture record says it was trained on target layers "
-        f"{list(record.capture)}, but its config captures {cfg.capture.as_list()}: saving it "
-        f"would drop the record, and with it the proof. Pass target= to check the record "
-        f"against that capture and take a fresh one, or set drafter.capture_record = None if "
-        f"the drafter was retrained for {cfg.capture.as_list()}")
   if target is not None:  # on every process: the record runs the target
-    where = "the drafter being saved"
-    if record is not None:  # a fresh record must not vouch for what the old one refuses
-      contract.verify_record(record, target, cfg.capture, where=where, hint=(
-          "set drafter.capture_record = None first if the drafter was retrained for this "
-          "target and capture"))
-    else:
-      contract.check_capture_unchanged(drafter, where)
     ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
            else calibration_ids)
     old = dict(record.acceptance) if record is not None else {}

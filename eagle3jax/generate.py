@@ -117,10 +117,11 @@ def _compiled(name, fn, *args, **static):
 
 def _evict() -> None:
   """Drops the least recently used programs beyond ``MAX_COMPILED``, and frees them."""
-  if len(_COMPILED) > MAX_COMPILED:
-    while len(_COMPILED) > MAX_COMPILED:
-      _COMPILED.popitem(last=False)
-    _drop_jit_caches()
+  if len(_COMPILED) <= MAX_COMPILED:
+    return
+  while len(_COMPILED) > MAX_COMPILED:
+    _COMPILED.popitem(last=False)
+  _drop_jit_caches()
 
 
 def _drop_jit_caches() -> None:
@@ -297,7 +298,6 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
           f"max_position_embeddings={drafter.config.max_position_embeddings} (its training "
           "length): its RoPE is untrained there and acceptance usually falls (output stays "
           "correct)", stacklevel=2)
-    spec_capture.validate(cfg.num_hidden_layers)
   spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=temperature == 0.0,
                                                            top_k=int(top_k)),
                         capture=spec_capture, attention_impl=impl)
