@@ -168,6 +168,7 @@ class DemoConfig:
   draft_head_init: str = "random"
   draft_label_temperature: float = 0.0
   draft_step_decay: float = 0.8
+  draft_align_topk: int = 0
   draft_capture: str = ""
   heldout_every: int = 100
   seed: int = 0
@@ -390,7 +391,8 @@ def drafter_train_config(cfg: DemoConfig):
                      temperature=0.0, gen_batch_size=128,
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
-                     step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init)
+                     step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init,
+                     align_topk=cfg.draft_align_topk)
 
 
 def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:

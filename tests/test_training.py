@@ -633,3 +633,73 @@ def test_miss_breakdown_input_errors(mesh, change, message):
   with pytest.raises(ValueError, match=re.escape(message)):
     training.miss_breakdown(tgt, engine_helpers.copy_drafter(tgt), args.pop("tokens"),
                             args.pop("loss_mask"), **args)
+
+
+@pytest.mark.parametrize("align_topk", [1, 16])
+def test_token_alignment_equals_the_plain_formula_and_drops_what_decoding_never_reaches(
+    target, data, align_topk):
+  # align_topk k: step j at t takes no loss unless steps 0..j-1 at t each had a response
+  # label and ranked the target's token in their top k. ttt_loss (windows from `start`, the
+  # running mask) must equal the plain formula (full-length shifts) in loss, accuracy and
+  # every gradient; the mask must change the gradient (it is not a no-op), and with k = N
+  # (every rank passes) the chance to reach step j is the share of positions whose earlier
+  # labels are all response tokens of the draft vocabulary, counted here in numpy.
+  _, d = data
+  dr = _drafter(target, d)
+  tokens = jnp.asarray(d.tokens[:4])
+  mask = d.loss_mask[:4] & (np.arange(SEQ_LEN)[None] >= 12)
+  steps = 3
+  start = ttt.loss_start(mask, steps)
+  graphdef, params, rest = nnx.split(dr, training.TRAINABLE, ...)
+  with jax.set_mesh(target.mesh):
+    draft_ids = np.arange(DRAFT_VOCAB) + np.asarray(dr.d2t[...])
+    feats = training.target_features(target, d.tokens[:4], CAPTURE, draft_ids)
+
+    def ours(p, k):
+      loss, m = ttt.ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens, jnp.asarray(mask),
+                             steps=steps, start=start, label_temperature=0.0, align_topk=k)
+      return loss, m
+
+    def ref(p, k):
+      return ttt.reference_ttt_loss(nnx.merge(graphdef, p, rest), feats, tokens,
+                                    jnp.asarray(mask), steps=steps, label_temperature=0.0,
+                                    align_topk=k)
+
+    (want, want_acc), want_g = jax.jit(jax.value_and_grad(ref, has_aux=True),
+                                       static_argnums=1)(params, align_topk)
+    (got, got_m), got_g = jax.jit(jax.value_and_grad(ours, has_aux=True),
+                                  static_argnums=1)(params, align_topk)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got_m["acc"]), np.asarray(want_acc), atol=1e-6)
+    flat_want = dict(nnx.to_flat_state(want_g))
+    for path, g in nnx.to_flat_state(got_g):
+      w = np.asarray(flat_want[path][...])
+      np.testing.assert_allclose(np.asarray(g[...]), w, rtol=2e-4,
+                                 atol=2e-6 * float(np.abs(w).max()) + 1e-9, err_msg=str(path))
+    alive = np.asarray(got_m["alive"])
+    assert alive[0] == 1.0 and np.all(np.diff(alive) <= 0) and alive[-1] < 1.0
+    (plain, plain_m), plain_g = jax.jit(jax.value_and_grad(ours, has_aux=True),
+                                        static_argnums=1)(params, 0)
+    np.testing.assert_allclose(np.asarray(plain_m["acc"]), np.asarray(got_m["acc"]))
+    diff = optax.tree.norm(jax.tree.map(lambda a, b: a - b, plain_g, got_g))
+    assert float(diff) > 1e-3 * float(optax.tree.norm(plain_g))
+
+    everything = np.asarray(jax.jit(ours, static_argnums=1)(params, DRAFT_VOCAB)[1]["alive"])
+  in_vocab = np.isin(np.asarray(feats.argmax), draft_ids)
+  t = SEQ_LEN
+  for j in range(steps):
+    valid = np.zeros_like(mask)
+    valid[:, :t - j - 2] = mask[:, j + 2:]           # label of step j at t: token t + j + 2
+    reach = valid.copy()
+    for i in range(j):                               # step i's label: response, in vocab
+      lab = np.zeros_like(mask)
+      lab[:, :t - i - 2] = mask[:, i + 2:] & in_vocab[:, i + 1:t - 1]
+      reach &= lab
+    np.testing.assert_allclose(everything[j], reach.sum() / valid.sum(), rtol=1e-6)
+
+
+def test_align_topk_is_checked():
+  for bad in (-1, 1.5, True, "1"):
+    with pytest.raises(ValueError, match="align_topk"):
+      training.TrainConfig(align_topk=bad)
+  assert training.TrainConfig(align_topk=1).align_topk == 1

@@ -81,6 +81,9 @@ class TrainConfig:
     label_temperature: the loss's labels are the target's draft-vocabulary distribution at
       this temperature (``ttt.label_distribution``): 1 is EAGLE-3's soft labels (drafters
       served with sampling); 0 is one-hot on the target's top token (drafters served greedily).
+    align_topk: token alignment (``ttt.ttt_loss``): k > 0 drops unrolled step j's loss where
+      an earlier step did not rank the target's token in its top k (states a chain, k = 1,
+      or a tree of top-k branches never reaches); 0 (EAGLE-3): every position counts.
     checkpoint_every: save a checkpoint every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     seed: data order and drafter initialisation.
@@ -105,6 +108,7 @@ class TrainConfig:
   ttt_steps: int = 7
   step_decay: float = 0.8
   label_temperature: float = 1.0
+  align_topk: int = 0
   checkpoint_every: int = 500
   keep_checkpoints: int = 2
   seed: int = 0
@@ -115,6 +119,9 @@ class TrainConfig:
   head_init: str = "random"
 
   def __post_init__(self):
+    if not is_integer(self.align_topk) or self.align_topk < 0:
+      raise ValueError(f"TrainConfig.align_topk={self.align_topk!r} must be an integer >= 0 "
+                       "(0: EAGLE-3's loss at every position; 1: a greedy chain's)")
     positive = ("warmup_steps", "total_steps", "batch_size", "seq_len", "ttt_steps",
                 "checkpoint_every", "keep_checkpoints", "max_new_tokens", "gen_batch_size")
     for name in positive:
@@ -203,10 +210,12 @@ def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features
     if reference:
       loss, acc = reference_ttt_loss(drafter, features, tokens, loss_mask,
                                      steps=cfg.ttt_steps, decay=cfg.step_decay,
-                                     label_temperature=cfg.label_temperature)
+                                     label_temperature=cfg.label_temperature,
+                                     align_topk=cfg.align_topk)
       return loss, {"acc": acc}
     return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
-                    decay=cfg.step_decay, start=start, label_temperature=cfg.label_temperature)
+                    decay=cfg.step_decay, start=start, label_temperature=cfg.label_temperature,
+                    align_topk=cfg.align_topk)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)

@@ -16,6 +16,13 @@ which only the draft vocabulary's columns and the argmax enter, ``TargetFeatures
   the draft vocabulary and renormalised. Positions are dropped where ``x_{t+j+2}`` is not a
   response token (or lies past the sequence) and where the target's full-vocabulary argmax has
   no draft id. Step j is weighted ``decay**j`` (0.8 in EAGLE-3).
+* ``align_topk`` k > 0 (token alignment, as GRIFFIN, Hu et al. 2025, calls it): step j at t
+  also takes no loss unless every earlier step i < j at t had a response token as its label and
+  ranked the target's token within its top k. A chain (top-1) or a tree of top-k branches
+  only ever reads step j after steps 0..j-1 drafted the target's tokens, so the positions
+  where an earlier step missed are states decoding never reaches (the teacher-forced token
+  hides the miss); without the mask they take a share of the loss. 0: every position counts
+  (EAGLE-3).
 
 Accuracy of step j: fraction of kept-by-loss-mask positions (out-of-draft-vocab argmaxes
 included, as misses) where the drafter's argmax, mapped to a target id, equals the target's
@@ -180,9 +187,24 @@ def label_distribution(draft_logits: jax.Array, temperature: float = 1.0) -> jax
   return jax.nn.softmax(logits / temperature, axis=-1)
 
 
+def _label_rank_ok(logits: jax.Array, onehot: jax.Array, k: int) -> jax.Array:
+  """``[..., N] -> [...]`` bool: the label (``onehot``, the target's top draft token; ties
+  shared) is within the top ``k`` of ``logits``: fewer than ``k`` logits above its own."""
+  label = jnp.sum(onehot * logits, axis=-1, keepdims=True)
+  return jnp.sum((logits > label).astype(jnp.int32), axis=-1) < k
+
+
+def _check_align(align_topk) -> None:
+  if isinstance(align_topk, bool) or not isinstance(align_topk, (int, np.integer)) \
+      or align_topk < 0:
+    raise ValueError(f"ttt align_topk={align_topk!r} must be an integer >= 0 (0: every "
+                     "position takes a loss; k: only where every earlier step ranked the "
+                     "target's token in its top k)")
+
+
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
              decay: float = 0.8, start: int = 0, label_temperature: float = 1.0,
-             with_hits: bool = False):
+             align_topk: int = 0, with_hits: bool = False):
   """The TTT loss of a batch.
 
   Args:
@@ -199,16 +221,22 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
       the whole training data guarantees (the prompts). Saves the prompt's share of every
       step's layer and draft-vocabulary head.
     label_temperature: the labels are ``label_distribution(target logits, this)``.
+    align_topk: k > 0: step j at t takes a loss only where steps 0..j-1 at t each had a
+      response label and ranked the target's top draft token in their top k (module
+      docstring); 0: everywhere. Accuracy still counts every valid position.
     with_hits: also return step 0's hits per position (``miss_breakdown``'s diagnostic).
 
   Returns:
-    ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K]}`` (per-step
-    loss, accuracy and number of positions counted for accuracy); with ``with_hits`` also
+    ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K], "alive":
+    [K]}`` (per-step loss, accuracy, number of positions counted for accuracy, and the
+    fraction of them where every earlier step ranked the target's token in its top
+    ``max(align_topk, 1)``: the chance a chain reaches step j, teacher forced); with ``with_hits`` also
     ``"hit0": [B, T]`` bool, at index i whether step 0 (run at position i - 2) predicted the
     target's argmax for token i, unmasked (False for i < start + 2).
   """
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
+  _check_align(align_topk)
   b, t = tokens.shape
   if not 0 <= start < t:
     raise ValueError(f"ttt start={start} must be in [0, seq_len={t})")
@@ -221,6 +249,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   loss_mask = shard(loss_mask.astype(bool), (BATCH, SEQ))
   sel = shard(features.draft_logits.astype(jnp.float32), (BATCH, SEQ, VOCAB))
   probs = label_distribution(sel, label_temperature)                    # [B, T, N]
+  top = probs if label_temperature == 0 else label_distribution(sel, 0.0)
   target_argmax = shard(features.argmax.astype(jnp.int32), (BATCH, SEQ))
   in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
                                                                           (b, t)))
@@ -232,9 +261,11 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
                           shard(base_pos, (BATCH, SEQ)), [], [], ttt_attention_mask(t, 0))
   past_k, past_v = [k], [v]
   hidden = a[:, start:]
-  losses, accs, counts = [], [], []
+  losses, accs, counts, alives = [], [], [], []
   hit0 = jnp.zeros((b, t), bool)
   total = jnp.float32(0.0)
+  alive = jnp.ones((b, t - start - 1), bool)   # steps 0..j-1 at t all drafted the target's
+  rank_k = max(align_topk, 1)
   for j in range(steps):
     # --- Step j: token x_{t+j+1} at position t+j predicts x_{t+j+2} (target logits t+j+1).
     # Positions whose target lies inside the sequence: n_j = T' - j - 1.
@@ -250,7 +281,9 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
       past_v.append(v)
     logits = draft_head(drafter.norm(hidden[:, :n_j]), drafter.lm_head[...])  # [B, n_j, N]
     valid = _window(loss_mask, j + 2, start)[:, :n_j]
-    keep = (valid & in_vocab[:, start + j + 1:]).astype(jnp.float32)
+    alive = alive[:, :n_j]
+    ok = valid & in_vocab[:, start + j + 1:]
+    keep = (ok & alive if align_topk else ok).astype(jnp.float32)
     ce = soft_cross_entropy(logits, probs[:, start + j + 1:])            # [B, n_j]
     loss_j = jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
     pred = drafter.to_target_ids(jnp.argmax(logits, axis=-1).astype(jnp.int32))
@@ -263,20 +296,25 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     losses.append(loss_j)
     accs.append(jnp.sum(hit) / jnp.maximum(count, 1.0))
     counts.append(count)
+    alives.append(jnp.sum((alive & valid).astype(jnp.float32)) / jnp.maximum(count, 1.0))
+    alive = alive & ok & _label_rank_ok(logits, top[:, start + j + 1:start + j + 1 + n_j],
+                                        rank_k)
   zero = [jnp.float32(0.0)] * (steps - len(losses))  # steps reaching past the sequence
   metrics = {"loss": jnp.stack(losses + zero), "acc": jnp.stack(accs + zero),
-             "count": jnp.stack(counts + zero)}
+             "count": jnp.stack(counts + zero), "alive": jnp.stack(alives + zero)}
   if with_hits:
     metrics["hit0"] = hit0
   return total, metrics
 
 
 def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
-                       decay: float = 0.8, label_temperature: float = 1.0):
+                       decay: float = 0.8, label_temperature: float = 1.0,
+                       align_topk: int = 0):
   """The TTT loss written plainly, for tests and the training benchmark: every step over every
   position with the full ``[T, (j + 1) T]`` mask, ``log_softmax`` and autodiff. Returns ``(loss,
   per-step accuracy [K])``; ``ttt_loss`` computes the same with fewer positions and written-out
   backwards."""
+  _check_align(align_topk)
   b, t = tokens.shape
 
   def shift(x, n):
@@ -290,6 +328,8 @@ def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, 
                                                                           (b, t)))
   pos = shard(jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t)), (BATCH, SEQ))
   hidden, past_k, past_v, total, accs = drafter.project(features.aux), [], [], 0.0, []
+  onehot = label_distribution(features.draft_logits, 0.0)
+  alive = jnp.ones((b, t), bool)
   for j in range(steps):
     full = np.zeros((t, (j + 1) * t), bool)
     full[:, :t] = np.tril(np.ones((t, t), bool))
@@ -301,9 +341,14 @@ def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, 
     past_v.append(v)
     logp = jax.nn.log_softmax(drafter.logits(hidden), axis=-1)
     valid = shift(loss_mask.astype(bool), j + 2)
-    keep = (valid & shift(in_vocab, j + 1)).astype(jnp.float32)
+    labelled = valid & shift(in_vocab, j + 1)
+    keep = (labelled & alive if align_topk else labelled).astype(jnp.float32)
     ce = -jnp.sum(shift(probs, j + 1) * logp, axis=-1)
     total = total + decay ** j * jnp.sum(ce * keep) / jnp.maximum(jnp.sum(keep), 1.0)
+    # the target's token among the step's top k: fewer than k draft tokens scored above it
+    label_logp = jnp.sum(shift(onehot, j + 1) * logp, axis=-1, keepdims=True)
+    in_top = jnp.sum(logp > label_logp, axis=-1) < max(align_topk, 1)
+    alive = alive & labelled & in_top
     pred = drafter.to_target_ids(jnp.argmax(logp, axis=-1).astype(jnp.int32))
     hit = (pred == shift(target_argmax, j + 1)) & valid
     accs.append(jnp.sum(hit) / jnp.maximum(jnp.sum(valid), 1))
