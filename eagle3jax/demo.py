@@ -323,7 +323,9 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
 
   drafter_dir = os.path.join(out_dir, "drafter")
   target, tok = load_demo_target(out_dir)
-  drafter = eagle3jax.load_drafter(drafter_dir, target=target, verify_capture=False)
+  # Verified on load (its record, or a probe), and save_drafter verifies that record again
+  # before it writes the new one.
+  drafter = eagle3jax.load_drafter(drafter_dir, target=target)
   if train_texts is None:
     train_texts = read_split(read_manifest(out_dir), "train")
   calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
