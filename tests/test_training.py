@@ -703,3 +703,48 @@ def test_align_topk_is_checked():
     with pytest.raises(ValueError, match="align_topk"):
       training.TrainConfig(align_topk=bad)
   assert training.TrainConfig(align_topk=1).align_topk == 1
+
+
+def test_train_embedding_trains_an_own_copy_that_the_file_carries(target, data, tmp_path):
+  # TrainConfig.train_embedding: the drafter starts from a copy of the target's table, trains
+  # it with the rest (the target's stays as it was), save_drafter writes it and load_drafter
+  # keeps it as the drafter's own; decoding stays lossless. A drafter without its own table
+  # (or with one, for a frozen run) is refused, not trained on the target's shared array.
+  prompts, d = data
+  cfg = dataclasses.replace(CFG, train_embedding=True)
+  with pytest.raises(ValueError, match=r"train_embedding=True needs a drafter with its own "
+                                       r"embedding"):
+    training.Trainer(target, _drafter(target, d), d, cfg)
+  vocab = training.build_draft_vocab(d.responses(), target.config.vocab_size, DRAFT_VOCAB)
+  dcfg = eagle3jax.DrafterConfig.for_target(target.config, CAPTURE,
+                                            draft_vocab_size=DRAFT_VOCAB)
+  dr = eagle3jax.init_drafter(dcfg, target=target, seed=0, d2t=vocab.d2t, own_embedding=True)
+  with pytest.raises(ValueError, match=r"train_embedding=False needs a drafter without"):
+    training.Trainer(target, dr, d, CFG)
+  embed_before = np.asarray(target.embed_tokens[...])
+  assert dr.own_embedding and dr.embed_tokens is not target.embed_tokens
+  np.testing.assert_array_equal(np.asarray(dr.embed_tokens[...]), embed_before)
+  trainer = training.Trainer(target, dr, d, cfg)
+  assert any("embed_tokens" in ".".join(map(str, p))
+             for p, _ in nnx.to_flat_state(trainer.params))
+  records = trainer.train(progress=False)
+  assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+  np.testing.assert_array_equal(np.asarray(target.embed_tokens[...]), embed_before)
+  trained = np.asarray(trainer.drafter.embed_tokens[...])
+  moved = np.abs(trained - embed_before).max(axis=1) > 0
+  # The rows of tokens the sequences hold move; a row no sequence holds gets no gradient, and
+  # with weight_decay 0 stays as it was.
+  seen = np.zeros(target.config.vocab_size, bool)
+  seen[np.unique(d.tokens)] = True
+  assert moved[seen].mean() > 0.5 and (~seen).any() and not moved[~seen].any()
+  out = str(tmp_path / "drafter")
+  eagle3jax.save_drafter(trainer.drafter, out, target=target)
+  loaded = eagle3jax.load_drafter(out, target=target)
+  assert loaded.own_embedding and "capture record verified" in loaded.capture_explanation
+  np.testing.assert_allclose(np.asarray(loaded.embed_tokens[...]), trained, atol=1e-6)
+  base = eagle3jax.generate(target, None, prompts, max_new_tokens=16)
+  spec = eagle3jax.generate(target, loaded, prompts, max_new_tokens=16)
+  assert spec.tokens == base.tokens
+  for bad in ("yes", 1, None):
+    with pytest.raises(ValueError, match="train_embedding"):
+      training.TrainConfig(train_embedding=bad)
