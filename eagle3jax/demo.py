@@ -169,7 +169,6 @@ class DemoConfig:
   draft_label_temperature: float = 0.0
   draft_step_decay: float = 0.8
   draft_align_topk: int = 0
-  draft_train_embedding: bool = False
   draft_capture: str = ""
   heldout_every: int = 100
   seed: int = 0
@@ -395,8 +394,7 @@ def drafter_train_config(cfg: DemoConfig):
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
                      step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init,
-                     align_topk=cfg.draft_align_topk,
-                     train_embedding=cfg.draft_train_embedding)
+                     align_topk=cfg.draft_align_topk)
 
 
 def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:

@@ -315,7 +315,7 @@ HEAD_INITS = ("random", "target")
 
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
                  seed: int = 0, std: float = 0.02, d2t=None,
-                 head_init: str = "random", own_embedding: bool = False) -> Eagle3Drafter:
+                 head_init: str = "random") -> Eagle3Drafter:
   """A randomly initialised drafter for ``target`` (optionally with a draft-vocab ``d2t``).
 
   ``head_init="target"`` starts ``lm_head`` from the target's output embedding, restricted to
@@ -323,10 +323,6 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   the drafter's final norm from the target's: the drafter then starts out reading its last
   hidden state the way the target reads its own (EAGLE-1 kept the target's head frozen; here it
   is only the starting point). ``"random"``: N(0, std) like every other weight.
-
-  ``own_embedding=True`` gives the drafter its own copy of the target's token embedding (to be
-  trained, ``TrainConfig.train_embedding``); ``save_drafter`` then always writes it, and
-  ``load_drafter`` keeps it as the drafter's own. Default: the target's table, shared.
   """
   contract.check_mesh(target, mesh)
   mesh = target.mesh
@@ -340,18 +336,10 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   target_ids = (np.arange(cfg.draft_vocab_size) if d2t is None
                 else np.arange(len(d2t)) + np.asarray(d2t, np.int64))
   head = _target_head(target, cfg, target_ids) if head_init == "target" else {}
-  if own_embedding:
-    table = target.embed_tokens[...]
-    if table.shape != (cfg.vocab_size, cfg.hidden_size):
-      raise ValueError(f"own_embedding=True copies the target's embedding {tuple(table.shape)}, "
-                       f"but the drafter needs [vocab_size={cfg.vocab_size}, hidden_size="
-                       f"{cfg.hidden_size}]")
 
   def fill(name, shape, init):
     if name in head:
       return head[name]
-    if name == "embed_tokens":
-      return to_host(table)
     if name == "d2t":
       return np.zeros(shape, np.int32) if d2t is None else np.asarray(d2t, np.int32)
     if name == "t2d":
@@ -364,8 +352,7 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
 
   dtype = dtype or target.dtype
   kv_repeat = drafter_kv_repeat(cfg, mesh.shape[TENSOR])
-  drafter = materialize(lambda: Eagle3Drafter(cfg, kv_repeat=kv_repeat, dtype=dtype,
-                                              own_embedding=own_embedding), mesh,
+  drafter = materialize(lambda: Eagle3Drafter(cfg, kv_repeat=kv_repeat, dtype=dtype), mesh,
                         fill, kv_repeat)
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None

@@ -121,10 +121,9 @@ def test_drafter_train_config_carries_the_demo_recipe():
   # reach its TrainConfig (a dropped one would silently train the default recipe).
   cfg = demo.DemoConfig(draft_steps=300, draft_lr=1e-3, draft_batch=4, ttt_steps=5,
                         draft_label_temperature=0.5, draft_step_decay=1.0, prompt_len=16,
-                        response_len=32, draft_vocab_size=512, seed=3, draft_align_topk=2,
-                        draft_train_embedding=True)
+                        response_len=32, draft_vocab_size=512, seed=3, draft_align_topk=2)
   t = demo.drafter_train_config(cfg)
-  assert t.align_topk == 2 and t.train_embedding is True
+  assert t.align_topk == 2
   assert (t.total_steps, t.learning_rate, t.batch_size, t.ttt_steps) == (300, 1e-3, 4, 5)
   assert (t.label_temperature, t.step_decay, t.seq_len) == (0.5, 1.0, 48)
   assert (t.draft_vocab_size, t.max_new_tokens, t.temperature, t.seed) == (512, 32, 0.0, 3)

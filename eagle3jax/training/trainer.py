@@ -4,8 +4,6 @@ Only the drafter's own parameters train. Its token embedding is the target's ``e
 variable (shared, reference section 5: frozen), so the parameters are split with the filter
 ``TRAINABLE`` (every ``nnx.Param`` whose path does not contain ``embed_tokens``); the embedding
 and the ``d2t``/``t2d`` buffers travel into the step as a separate, non-differentiated state.
-``TrainConfig.train_embedding`` gives the drafter its own copy of the table instead, trained
-with the rest (``trainable(config)``).
 
 Data parallelism is the batch layout: each batch is placed with its batch axis over the mesh's
 ``data`` axis and the parameters are replicated over it, so under ``jax.set_mesh`` XLA reduces
@@ -60,12 +58,6 @@ from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 log = logging.getLogger("eagle3jax")
 
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("embed_tokens")))
-
-
-def trainable(config: "TrainConfig"):
-  """The parameters a run trains: ``TRAINABLE``, and the drafter's own embedding with
-  ``train_embedding``."""
-  return nnx.Param if config.train_embedding else TRAINABLE
 DEFAULT_DRAFT_VOCAB = 32000
 
 
@@ -92,9 +84,6 @@ class TrainConfig:
     align_topk: token alignment (``ttt.ttt_loss``): k > 0 drops unrolled step j's loss where
       an earlier step did not rank the target's token in its top k (states a chain, k = 1,
       or a tree of top-k branches never reaches); 0 (EAGLE-3): every position counts.
-    train_embedding: the drafter gets its own copy of the target's token embedding and trains
-      it (written into the drafter file, which every engine then reads); False (EAGLE-3):
-      the target's table, shared and frozen.
     checkpoint_every: save a checkpoint every this many steps (and at the last step).
     keep_checkpoints: how many recent checkpoints to keep.
     seed: data order and drafter initialisation.
@@ -120,7 +109,6 @@ class TrainConfig:
   step_decay: float = 0.8
   label_temperature: float = 1.0
   align_topk: int = 0
-  train_embedding: bool = False
   checkpoint_every: int = 500
   keep_checkpoints: int = 2
   seed: int = 0
@@ -131,9 +119,6 @@ class TrainConfig:
   head_init: str = "random"
 
   def __post_init__(self):
-    if not isinstance(self.train_embedding, bool):
-      raise ValueError(f"TrainConfig.train_embedding={self.train_embedding!r} must be True or "
-                       "False")
     if not is_integer(self.align_topk) or self.align_topk < 0:
       raise ValueError(f"TrainConfig.align_topk={self.align_topk!r} must be an integer >= 0 "
                        "(0: EAGLE-3's loss at every position; 1: a greedy chain's)")
@@ -313,11 +298,7 @@ class Trainer:
     # Target ids of the draft vocabulary: the columns of the target's logits the loss reads.
     self._draft_ids = (np.arange(drafter.config.draft_vocab_size)
                        + np.asarray(drafter.d2t[...]))
-    if config.train_embedding != drafter.own_embedding:
-      raise ValueError(f"TrainConfig.train_embedding={config.train_embedding} needs a drafter "
-                       f"{'with' if config.train_embedding else 'without'} its own embedding "
-                       f"(init_drafter(own_embedding={config.train_embedding}))")
-    self._graphdef, self.params, self._rest = nnx.split(drafter, trainable(config), ...)
+    self._graphdef, self.params, self._rest = nnx.split(drafter, TRAINABLE, ...)
     with jax.set_mesh(self.mesh):
       self.opt_state = make_optimizer(config).init(self.params)
     # Prompt positions that no TTT step takes a loss at run only the drafter's step 0.
@@ -570,7 +551,7 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   dcfg = DrafterConfig.for_target(target.config, capture, draft_vocab_size=vocab.size,
                                   **(drafter_overrides or {}))
   drafter = init_drafter(dcfg, target=target, seed=config.seed, d2t=vocab.d2t,
-                         head_init=config.head_init, own_embedding=config.train_embedding)
+                         head_init=config.head_init)
   trainer = Trainer(target, drafter, data, config,
                     checkpoint_dir=os.path.join(checkpoint_dir, "steps"))
   curve, t0 = [], time.perf_counter()
