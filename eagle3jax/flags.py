@@ -1,6 +1,6 @@
 """The scripts' integer-list flags (``--mesh 1,8``, ``--capture 1,5,8``, ``--batches 1,4``):
 one parser, so every script refuses a malformed list the same way, naming its flag, instead of
-a traceback from ``int()``; ``parse_bool`` for true/false flags; and ``check_writable`` for output files, checked before a long run
+a traceback from ``int()``; and ``check_writable`` for output files, checked before a long run
 rather than after it."""
 
 from __future__ import annotations
@@ -32,17 +32,6 @@ def parse_ints(text: str, flag: str, *, count: int | None = None,
   if not values or (count is not None and len(values) != count):
     raise ValueError(f"{flag} {text!r}: expected {form}")
   return values
-
-
-def parse_bool(text: str) -> bool:
-  """A boolean flag's value: true/false, yes/no or 1/0 (``bool("false")`` is True, so
-  ``type=bool`` would take every value as True). For argparse's ``type=``."""
-  import argparse  # pylint: disable=import-outside-toplevel
-  value = {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(
-      str(text).strip().lower())
-  if value is None:
-    raise argparse.ArgumentTypeError(f"{text!r} is not true or false")
-  return value
 
 
 def check_writable(path: str, flag: str) -> None:

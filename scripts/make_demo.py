@@ -14,11 +14,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, check_drafter_recipe, make_demo,
                             make_drafter, plot_curve)
-from eagle3jax.flags import check_writable, parse_bool
+from eagle3jax.flags import check_writable
 
 
-def build_parser() -> argparse.ArgumentParser:
-  """The flags: output folders, and every ``DemoConfig`` field as ``--field-name``."""
+def main() -> int:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--out", default=DEFAULT_DIR, help="output folder")
   p.add_argument("--drafter-only", action="store_true",
@@ -29,15 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --drafter-only: keep the drafter's data and checkpoints here "
                       "(a run given the same folder resumes)")
   for field in dataclasses.fields(DemoConfig):
-    kind = type(field.default)
-    p.add_argument(f"--{field.name.replace('_', '-')}", type=parse_bool if kind is bool else kind,
-                   default=field.default, help=f"DemoConfig.{field.name}"
-                   + (" (true or false)" if kind is bool else ""))
-  return p
-
-
-def main() -> int:
-  args = build_parser().parse_args()
+    p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
+                   default=field.default, help=f"DemoConfig.{field.name}")
+  args = p.parse_args()
   cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
   logging.basicConfig(format="%(message)s")
   logging.getLogger("eagle3jax").setLevel(logging.INFO)  # the learning curve as it is measured

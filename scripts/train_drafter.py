@@ -18,7 +18,7 @@ import json
 import os
 import sys
 
-from eagle3jax.flags import parse_bool, parse_ints
+from eagle3jax.flags import parse_ints
 
 _FIELD_HELP = {
     "learning_rate": "peak AdamW learning rate",
@@ -40,9 +40,6 @@ _FIELD_HELP = {
     "max_new_tokens": "response tokens the target regenerates per prompt",
     "temperature": "regeneration temperature (0: greedy)",
     "gen_batch_size": "prompts per generate call during regeneration",
-    "align_topk": "step j takes no loss where an earlier step missed the target's token "
-                  "(its top k); 0: every position",
-    "train_embedding": "true: the drafter trains its own copy of the target's embedding",
 }
 
 
@@ -84,8 +81,7 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
   distributed_flags(p)
   group = p.add_argument_group("training hyperparameters (TrainConfig fields)")
   for f in dataclasses.fields(train_config_cls):
-    kind = {"int": int, "float": float, "bool": parse_bool}.get(str(f.type).split(" ")[0],
-                                                               None)
+    kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
     if f.name == "draft_vocab_size":
       kind = int
     group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=kind, default=None,

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from eagle3jax.flags import parse_bool, parse_ints
+from eagle3jax.flags import parse_ints
 
 
 def test_parse_ints_reads_lists_and_refuses_by_name():
@@ -21,33 +21,6 @@ def test_parse_ints_reads_lists_and_refuses_by_name():
     parse_ints("8", "--mesh", count=2, form="DATA,TENSOR")
   with pytest.raises(ValueError, match=r"^--mesh '1,2,4': expected DATA,TENSOR$"):
     parse_ints("1,2,4", "--mesh", count=2, form="DATA,TENSOR")
-
-
-def test_parse_bool_reads_false_as_false():
-  # type=bool would read "false" (any non-empty text) as True.
-  for text, value in (("true", True), ("False", False), (" yes ", True), ("0", False),
-                      ("1", True), ("no", False)):
-    assert parse_bool(text) is value
-  for bad in ("", "maybe", "2", "tru"):
-    with pytest.raises(Exception, match="is not true or false"):
-      parse_bool(bad)
-
-
-def test_boolean_demo_and_training_flags_parse_false_as_false():
-  from eagle3jax import training
-  from tests.script_loader import load_script
-  mod = load_script("train_drafter")
-  args = mod.build_parser(training.TrainConfig).parse_args(
-      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--train-embedding", "false"])
-  assert mod._train_config(args, training.TrainConfig).train_embedding is False
-  args = mod.build_parser(training.TrainConfig).parse_args(
-      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--train-embedding", "true"])
-  assert mod._train_config(args, training.TrainConfig).train_embedding is True
-  demo_parser = load_script("make_demo").build_parser()
-  assert demo_parser.parse_args(["--draft-train-embedding", "false"]).draft_train_embedding \
-      is False
-  assert demo_parser.parse_args(["--draft-train-embedding", "yes"]).draft_train_embedding is True
-  assert demo_parser.parse_args([]).draft_train_embedding is False
 
 
 @pytest.mark.parametrize("script,argv,flag", [
