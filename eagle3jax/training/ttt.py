@@ -230,9 +230,9 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K], "alive":
     [K]}`` (per-step loss, accuracy, number of positions counted for accuracy, and the
     fraction of them where every earlier step ranked the target's token in its top
-    ``max(align_topk, 1)``: the chance a chain reaches step j, teacher forced); with ``with_hits`` also
-    ``"hit0": [B, T]`` bool, at index i whether step 0 (run at position i - 2) predicted the
-    target's argmax for token i, unmasked (False for i < start + 2).
+    ``max(align_topk, 1)``: the chance a chain reaches step j, teacher forced); with
+    ``with_hits`` also ``"hit0": [B, T]`` bool, at index i whether step 0 (run at position
+    i - 2) predicted the target's argmax for token i, unmasked (False for i < start + 2).
   """
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
