@@ -249,7 +249,10 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   loss_mask = shard(loss_mask.astype(bool), (BATCH, SEQ))
   sel = shard(features.draft_logits.astype(jnp.float32), (BATCH, SEQ, VOCAB))
   probs = label_distribution(sel, label_temperature)                    # [B, T, N]
-  top = probs if label_temperature == 0 else label_distribution(sel, 0.0)
+  # Top-k alignment needs the label's rank; top-1 (and the ``alive`` metric alone) is the
+  # argmax comparison the accuracy makes anyway, so the default step does no extra pass.
+  top = (None if align_topk <= 1 else
+         probs if label_temperature == 0 else label_distribution(sel, 0.0))
   target_argmax = shard(features.argmax.astype(jnp.int32), (BATCH, SEQ))
   in_vocab = drafter.t2d[...].at[target_argmax].get(out_sharding=out_spec((BATCH, SEQ),
                                                                           (b, t)))
@@ -265,7 +268,6 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   hit0 = jnp.zeros((b, t), bool)
   total = jnp.float32(0.0)
   alive = jnp.ones((b, t - start - 1), bool)   # steps 0..j-1 at t all drafted the target's
-  rank_k = max(align_topk, 1)
   for j in range(steps):
     # --- Step j: token x_{t+j+1} at position t+j predicts x_{t+j+2} (target logits t+j+1).
     # Positions whose target lies inside the sequence: n_j = T' - j - 1.
@@ -290,15 +292,17 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     if j == 0 and with_hits:                    # token start + 2 + i; the last is past T
       hit0 = jnp.pad(pred[:, :n_j - 1] == target_argmax[:, start + 1:t - 1],
                      ((0, 0), (start + 2, 0)))
-    hit = ((pred == target_argmax[:, start + j + 1:]) & valid).astype(jnp.float32)
+    drafted = pred == target_argmax[:, start + j + 1:]    # the target's token, top-1
+    hit = (drafted & valid).astype(jnp.float32)
     count = jnp.sum(valid.astype(jnp.float32))
     total = total + (decay ** j) * loss_j
     losses.append(loss_j)
     accs.append(jnp.sum(hit) / jnp.maximum(count, 1.0))
     counts.append(count)
     alives.append(jnp.sum((alive & valid).astype(jnp.float32)) / jnp.maximum(count, 1.0))
-    alive = alive & ok & _label_rank_ok(logits, top[:, start + j + 1:start + j + 1 + n_j],
-                                        rank_k)
+    if top is not None:
+      drafted = _label_rank_ok(logits, top[:, start + j + 1:start + j + 1 + n_j], align_topk)
+    alive = alive & ok & drafted
   zero = [jnp.float32(0.0)] * (steps - len(losses))  # steps reaching past the sequence
   metrics = {"loss": jnp.stack(losses + zero), "acc": jnp.stack(accs + zero),
              "count": jnp.stack(counts + zero), "alive": jnp.stack(alives + zero)}
