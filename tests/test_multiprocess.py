@@ -97,7 +97,11 @@ def _free_port() -> int:
 def _env() -> dict:
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("JAX_COORDINATOR", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"))}
-  env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+  # 4 devices each; the other flags (tests/conftest.py's optimisation level) as in-process.
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+           if not f.startswith("--xla_force_host_platform_device_count")]
+  env.update(XLA_FLAGS=" ".join(["--xla_force_host_platform_device_count=4"] + flags),
+             JAX_PLATFORMS="cpu",
              JAX_DEFAULT_MATMUL_PRECISION="highest")  # as tests/conftest.py sets in-process
   return env
 
