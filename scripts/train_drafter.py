@@ -40,6 +40,12 @@ _FIELD_HELP = {
     "max_new_tokens": "response tokens the target regenerates per prompt",
     "temperature": "regeneration temperature (0: greedy)",
     "gen_batch_size": "prompts per generate call during regeneration",
+    "label_temperature": "labels: the target's draft-vocabulary distribution at this "
+                         "temperature (1: EAGLE-3's soft labels; 0: one-hot on its top token, "
+                         "for drafters served greedily)",
+    "align_topk": "step j takes no loss where an earlier step missed the target's token "
+                  "(its top k); 0: every position",
+    "head_init": "lm_head and final norm at step 0: random, or target (the target's rows)",
 }
 
 

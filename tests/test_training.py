@@ -508,6 +508,9 @@ def test_script_help_documents_every_flag(capsys):
     assert flag in text
   for f in training.TrainConfig.__dataclass_fields__:
     assert "--" + f.replace("_", "-") in text
+  # ... each with a sentence, not only its name (a field added without one fell back to it).
+  undocumented = set(training.TrainConfig.__dataclass_fields__) - set(_script()._FIELD_HELP)
+  assert not undocumented, f"train_drafter.py has no help for {sorted(undocumented)}"
 
 
 def test_script_config_and_flags(tmp_path):
