@@ -56,10 +56,16 @@ def forward(target, input_ids, *, capture: CaptureSpec | Sequence[int] | None = 
   ``[B, T, len(ids) * D]`` (see ``eagle3jax.CaptureSpec`` for the convention). Runs on the
   host (it checks the ids, then calls its own jitted program): call it outside ``jax.jit``.
   """
+  from eagle3jax import model_kinds  # pylint: disable=import-outside-toplevel
+  model_kinds.require_target("forward's target", target)
   capture = as_capture_spec(capture)
   if capture is not None:
     capture.validate(target.num_layers)
   tokens = check_tokens(input_ids, target.config.vocab_size)
+  limit = target.config.max_position_embeddings
+  if tokens.shape[1] > limit:
+    raise ValueError(f"input_ids has {tokens.shape[1]} positions, more than the target's "
+                     f"max_position_embeddings={limit}; shorten the sequences")
   graphdef, state = nnx.split(target)
   with jax.set_mesh(target.mesh):
     logits, aux = _forward(graphdef, state, jnp.asarray(tokens), capture)

@@ -60,3 +60,51 @@ def norm_eps(field: str, value) -> None:
   if not (is_real(value) and 0 < value < 1 and math.isfinite(value)):
     raise ValueError(f"{field}={value!r} must be a small positive number (typically 1e-6 or "
                      "1e-5)")
+
+
+def int_fields(obj, names, minimum: int, prefix: str) -> None:
+  """Sets the frozen dataclass fields ``names`` of ``obj`` to Python ints (NumPy integers
+  accepted, as everywhere else), or raises a ``ValueError`` naming the field."""
+  kind = {0: "a non-negative integer", 1: "a positive integer"}.get(
+      minimum, f"an integer >= {minimum}")
+  for name in names:
+    value = getattr(obj, name)
+    if not is_integer(value) or _scalar(value) < minimum:
+      raise ValueError(f"{prefix} {name}={value!r} must be {kind}")
+    object.__setattr__(obj, name, int(_scalar(value)))
+
+
+def token_ids(field: str, ids, vocab_size: int) -> tuple[int, ...]:
+  """Token ids (e.g. a config's EOS ids) as a tuple of ints in ``[0, vocab_size)``."""
+  bad = [i for i in ids if not is_integer(i) or not 0 <= _scalar(i) < vocab_size]
+  if bad:
+    raise ValueError(f"{field}={list(ids)}: {bad} are not token ids in [0, vocab_size="
+                     f"{vocab_size})")
+  return tuple(int(_scalar(i)) for i in ids)
+
+
+FLOAT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
+def float_dtype(name: str, dtype):
+  """A parameter dtype: one of ``FLOAT_DTYPES`` (``jnp.bfloat16``, ``"float32"``, ...).
+  Integer or 8-bit dtypes would be accepted by the casts and fail (or round everything away)
+  inside the first jitted forward."""
+  try:
+    dt = None if dtype is None else np.dtype(dtype)  # np.dtype(None) is float64
+  except TypeError:
+    dt = None
+  if dt is None or dt.name not in FLOAT_DTYPES:
+    raise ValueError(f"{name}={dtype!r} is not a parameter dtype: use one of {FLOAT_DTYPES} "
+                     "(jnp.bfloat16 or jnp.float32 usually)")
+  return dtype
+
+
+def seed_and_std(seed, std) -> tuple[int, float]:
+  """Random initialisation arguments: a seed >= 0 and a finite std >= 0."""
+  seed = integer("seed", seed, 0)
+  std = real("std", std)
+  if not (math.isfinite(std) and std >= 0):
+    raise ValueError(f"std={std} must be a finite number >= 0 (the weights' standard "
+                     "deviation)")
+  return seed, std

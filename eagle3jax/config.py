@@ -75,11 +75,11 @@ class LlamaConfig:
 
   def __post_init__(self):
     checks.norm_eps("config field rms_norm_eps", self.rms_norm_eps)
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"config field {name}={value!r} must be a positive integer")
+    checks.int_fields(self, ("vocab_size", "hidden_size", "intermediate_size",
+                             "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads"), 1, "config field")
+    object.__setattr__(self, "eos_token_ids", checks.token_ids(
+        "config field eos_token_id", tuple(self.eos_token_ids), self.vocab_size))
     if self.num_attention_heads % self.num_key_value_heads:
       raise ValueError(
           f"config field num_key_value_heads={self.num_key_value_heads} must divide "

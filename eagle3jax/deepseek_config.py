@@ -96,17 +96,14 @@ class DeepseekConfig:
 
   def __post_init__(self):
     checks.norm_eps("config field rms_norm_eps", self.rms_norm_eps)
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
-                 "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
-                 "num_experts_per_tok", "n_group", "topk_group"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config field {name}={value!r} must be a positive integer")
-    for name in ("n_shared_experts", "first_k_dense_replace"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 0:
-        raise ValueError(f"config field {name}={value!r} must be a non-negative integer")
+    checks.int_fields(self, ("vocab_size", "hidden_size", "intermediate_size",
+                             "moe_intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim",
+                             "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+                             "num_experts_per_tok", "n_group", "topk_group"), 1, "config field")
+    checks.int_fields(self, ("n_shared_experts", "first_k_dense_replace"), 0, "config field")
+    object.__setattr__(self, "eos_token_ids", checks.token_ids(
+        "config field eos_token_id", tuple(self.eos_token_ids), self.vocab_size))
     if self.q_lora_rank is not None and (not isinstance(self.q_lora_rank, int)
                                          or self.q_lora_rank < 1):
       raise ValueError(f"config field q_lora_rank={self.q_lora_rank!r} must be a positive "

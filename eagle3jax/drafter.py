@@ -70,11 +70,9 @@ class DrafterConfig:
 
   def __post_init__(self):
     checks.norm_eps("drafter config field rms_norm_eps", self.rms_norm_eps)
-    for name in ("hidden_size", "intermediate_size", "num_attention_heads",
-                 "num_key_value_heads", "vocab_size", "draft_vocab_size"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"drafter config field {name}={value!r} must be a positive integer")
+    checks.int_fields(self, ("hidden_size", "intermediate_size", "num_attention_heads",
+                             "num_key_value_heads", "vocab_size", "draft_vocab_size"), 1,
+                      "drafter config field")
     if self.head_dim is not None and (not checks.is_integer(self.head_dim) or self.head_dim < 2
                                       or self.head_dim % 2):
       raise ValueError(f"drafter config field head_dim={self.head_dim!r} must be a positive "

@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from eagle3jax import capture_contract as contract
-from eagle3jax import vocab_parallel
+from eagle3jax import checks, model_kinds, vocab_parallel
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
 from eagle3jax.distributed import barrier, is_main_process, to_host
@@ -208,6 +208,9 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
       reading of its ids and refuse a configured list that scores far below another.
       ``False`` skips both (for users who know better).
   """
+  model_kinds.require_target("load_drafter's target", target)
+  if dtype is not None:
+    checks.float_dtype("dtype", dtype)
   contract.check_mesh(target, mesh)
   mesh = target.mesh
   hf = read_config(path)
@@ -324,6 +327,9 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   hidden state the way the target reads its own (EAGLE-1 kept the target's head frozen; here it
   is only the starting point). ``"random"``: N(0, std) like every other weight.
   """
+  model_kinds.require_target("init_drafter's target", target)
+  if dtype is not None:
+    checks.float_dtype("dtype", dtype)
   contract.check_mesh(target, mesh)
   mesh = target.mesh
   if head_init not in HEAD_INITS:
@@ -416,6 +422,9 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
       draft vocabulary; ``train_drafter`` passes training tokens).
     acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.
   """
+  model_kinds.require_drafter("save_drafter's drafter", drafter)
+  if target is not None:
+    model_kinds.require_target("save_drafter's target", target)
   cfg = drafter.config
   if cfg.rope.rope_type not in LLAMA_ROPE_TYPES:
     raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
@@ -530,6 +539,7 @@ def draft_logits(drafter: Eagle3Drafter, input_ids, aux_hidden) -> jax.Array:
   positions ``0..T-1``.
   """
   from eagle3jax.api import check_tokens  # pylint: disable=import-outside-toplevel
+  model_kinds.require_drafter("draft_logits' drafter", drafter)
   cfg = drafter.config
   tokens = check_tokens(input_ids, cfg.vocab_size)
   aux = jnp.asarray(aux_hidden)

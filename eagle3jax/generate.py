@@ -17,7 +17,7 @@ from eagle3jax import checks
 from eagle3jax import engine as eng
 from eagle3jax.attention import ATTENTION_IMPLS
 from eagle3jax import capture_contract as contract
-from eagle3jax import monitor
+from eagle3jax import model_kinds, monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.decoder import DecoderLM
 from eagle3jax.drafter import Eagle3Drafter
@@ -186,13 +186,9 @@ def _check_models(target, drafter) -> None:
   if isinstance(target, Eagle3Drafter) and isinstance(drafter, DecoderLM):
     raise ValueError("generate(target, drafter, ...) got the drafter first: pass the target "
                      "model first and the drafter second")
-  if not isinstance(target, DecoderLM):
-    what = "a drafter" if isinstance(target, Eagle3Drafter) else type(target).__name__
-    raise ValueError(f"target must be a target model (load_target / init_target); got {what}")
-  if drafter is not None and not isinstance(drafter, Eagle3Drafter):
-    what = "a target model" if isinstance(drafter, DecoderLM) else type(drafter).__name__
-    raise ValueError(f"drafter must be an EAGLE-3 drafter (load_drafter / init_drafter) or "
-                     f"None for autoregressive decoding; got {what}")
+  model_kinds.require_target("target", target)
+  if drafter is not None:
+    model_kinds.require_drafter("drafter", drafter, " or None for autoregressive decoding")
 
 
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
+from eagle3jax import checks
 from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.params import materialize, random_fill
@@ -32,6 +33,7 @@ def init_deepseek(cfg: DeepseekConfig, *, mesh: Mesh | None = None, dtype=jnp.fl
   ``quantization_config`` would load with ``quantization="keep"``.
   """
   mesh = validate_mesh(mesh)
+  checks.float_dtype("dtype", dtype)
   schemes = linear_schemes(quantization, deepseek_table(cfg), cfg.num_hidden_layers)
   model = materialize(lambda: DeepseekForCausalLM(cfg, dtype=dtype, schemes=schemes), mesh,
                       random_fill(seed, std))

@@ -7,8 +7,10 @@ them layer by layer from memory-mapped safetensors and places them with their sh
 Every model parameter must be found and every checkpoint tensor used: missing or unexpected
 weights raise ``ValueError`` with the names. Tensors that are not part of the language model's
 forward are skipped: rotary buffers, DeepSeek's multi-token-prediction layers
-(``model.layers.{L}.*``), and in a Kimi-K2.5 checkpoint (language model under
-``language_model.``) the vision tower and projector, named once in a log line.
+(``model.layers.{L}.*``, as many as the config's ``num_nextn_predict_layers``; other layers
+past ``num_hidden_layers`` mean the config does not describe the checkpoint and are refused),
+and in a Kimi-K2.5 checkpoint (language model under ``language_model.``) the vision tower and
+projector, named once in a log line.
 
 Quantized checkpoints (``eagle3jax.quant_config``: FP8 blocks, compressed-tensors INT4) are
 placed as stored with ``quantization="keep"``: each quantized module (a layer's experts
@@ -28,8 +30,9 @@ import jax.numpy as jnp
 import ml_dtypes
 from jax.sharding import Mesh
 
+from eagle3jax import checks
 from eagle3jax.config import LlamaConfig
-from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
+from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type, unwrap_text_config
 from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
 from eagle3jax.params import materialize, random_fill
 from eagle3jax.quant import part_of
@@ -85,6 +88,17 @@ def refuse_unexpected(path: str, extra, model_type: str) -> None:
     raise ValueError(f"checkpoint {path!r} has unexpected weights {sorted(extra)[:8]}"
                      f"{' ...' if len(extra) > 8 else ''} that a {model_type} model with "
                      "this config does not use")
+
+
+def _mtp_layers(hf_cfg: dict) -> int:
+  """How many multi-token-prediction layers (``model.layers.{L}``, ``{L + 1}``, ...) a
+  DeepSeek-family checkpoint may carry beyond its ``num_hidden_layers``; 0 for other models, so
+  a Llama checkpoint with more layers than its config names is refused, not cut short."""
+  if hf_model_type(hf_cfg) not in DEEPSEEK_MODEL_TYPES:
+    return 0
+  text = unwrap_text_config(hf_cfg)
+  value = text.get("num_nextn_predict_layers", text.get("num_mtp_layers", 0)) or 0
+  return int(value) if checks.is_integer(value) and value > 0 else 0
 
 
 def target_factory(hf_cfg: dict, mesh: Mesh, dtype, quantization: str = "keep"):
@@ -154,6 +168,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
     ValueError: unsupported config values, missing or unexpected weights, shape mismatches.
   """
   mesh = validate_mesh(mesh)
+  checks.float_dtype("dtype", dtype)
   hf_cfg = read_config(path)
   cfg, factory, table, kv_repeat = target_factory(hf_cfg, mesh, dtype, quantization)
   qcfg = QuantizationConfig.from_hf(hf_cfg)
@@ -205,6 +220,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
     return out
 
   model = materialize(factory, mesh, fill, kv_repeat)
+  mtp = _mtp_layers(hf_cfg)
   extra, towers = [], []
   for n in tensors.names:
     if n in used or _IGNORED.match(n):
@@ -213,7 +229,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
       towers.append(n)
       continue
     m = _LAYER.match(n[len(prefix):])
-    if m is not None and int(m.group(1)) >= cfg.num_hidden_layers:
+    if m is not None and cfg.num_hidden_layers <= int(m.group(1)) < cfg.num_hidden_layers + mtp:
       continue  # multi-token-prediction layers: not part of the forward
     extra.append(n)
   if towers:
@@ -222,6 +238,15 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
              len(towers), ", ".join(f"{k}.*" for k in kinds))
   if cfg.tie_word_embeddings:
     extra = [n for n in extra if n != prefix + "lm_head.weight"]  # tied copies are harmless
+  beyond = sorted({int(m.group(1)) for m in (_LAYER.match(n[len(prefix):]) for n in extra)
+                   if m is not None and int(m.group(1)) >= cfg.num_hidden_layers})
+  if beyond:
+    raise ValueError(
+        f"checkpoint {path!r} has weights of layers {beyond[:8]}{' ...' if len(beyond) > 8 else ''}"
+        f" but its config.json says num_hidden_layers={cfg.num_hidden_layers}"
+        + (f" (and num_nextn_predict_layers={mtp})" if mtp or hf_model_type(hf_cfg)
+           in DEEPSEEK_MODEL_TYPES else "")
+        + ": the config does not describe this checkpoint; fix num_hidden_layers")
   refuse_unexpected(path, extra, cfg.model_type)
   model.mesh = mesh
   return _layer_loop(model, layer_loop)
@@ -232,6 +257,7 @@ def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32
   """A randomly initialised target (the same weights on every mesh for the same seed);
   ``layer_loop`` as in ``load_target``."""
   mesh = validate_mesh(mesh)
+  checks.float_dtype("dtype", dtype)
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)
   model = materialize(factory, mesh, random_fill(seed, std), kv_repeat)
   model.mesh = mesh

@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from eagle3jax import quant
+from eagle3jax import checks, quant
 from eagle3jax.sharding import KV_HEADS, LAYERS, param_spec
 
 # fill(path, logical_shape, init) -> host array in the logical (unreplicated) shape.
@@ -156,6 +156,7 @@ def _set_layer(stack: jax.Array, piece: jax.Array, i) -> jax.Array:
 def random_fill(seed: int = 0, std: float = 0.02) -> Fill:
   """Seeded N(0, std) weights, ones for norms, zeros for biases, quantized weights of about
   that size (``quant.random_part``); identical on every mesh."""
+  seed, std = checks.seed_and_std(seed, std)
   def fill(name, shape, init):
     if quant.part_of(init) is not None:
       rng = np.random.default_rng([seed, zlib.crc32(name.encode())])

@@ -468,8 +468,8 @@ def test_generate_refuses_bad_values(saved, target, kwargs, match):
 def test_generate_names_swapped_or_wrong_models(saved, target):
   dr = eagle3jax.load_drafter(saved, target=target, verify_capture=False)
   for args, match in [((dr, target), "got the drafter first: pass the target model first"),
-                      ((dr, None), "target must be a target model .* got a drafter"),
-                      (("models/default", None), "target must be a target model .* got str"),
+                      ((dr, None), "target must be a target model .* got an EAGLE-3 drafter"),
+                      (("models/default", None), "target must be a target model .* got a str"),
                       ((target, target), "drafter must be an EAGLE-3 drafter .* got a target "
                                          "model")]:
     with pytest.raises(ValueError, match=match):

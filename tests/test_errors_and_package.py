@@ -202,3 +202,100 @@ def test_bf16_default_dtype(checkpoint):
   assert model.embed_tokens[...].dtype == jnp.bfloat16
   out = eagle3jax.forward(model, np.array([[1, 2, 3]]))
   assert out.logits.dtype == jnp.float32 and np.isfinite(np.asarray(out.logits)).all()
+
+
+def test_layers_the_config_does_not_name_are_refused(checkpoint):
+  """A config that names fewer layers than the checkpoint holds used to load the first ones
+  and decode something else, silently; only DeepSeek's multi-token-prediction layers (as many
+  as ``num_nextn_predict_layers``) may follow the last layer."""
+  cfg = json.loads((checkpoint / "config.json").read_text())
+  (checkpoint / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 1}))
+  with pytest.raises(ValueError, match=r"has weights of layers \[1\] but its config.json says "
+                                       r"num_hidden_layers=1.*fix num_hidden_layers"):
+    eagle3jax.load_target(str(checkpoint))
+
+
+def test_deepseek_skips_only_its_multi_token_prediction_layers(tmp_path):
+  from tests import deepseek_models
+  path = str(tmp_path)
+  deepseek_models.make_checkpoint(path, layers=3)
+  full = eagle3jax.load_target(path, dtype=jnp.float32)
+  # The third layer stands in for an MTP layer (model.layers.{L}.*) of a 2-layer model.
+  deepseek_models._rewrite_config(path, lambda c: c.update(num_hidden_layers=2,
+                                                           num_nextn_predict_layers=1))
+  two = eagle3jax.load_target(path, dtype=jnp.float32)
+  assert two.num_layers == 2 and full.num_layers == 3
+  deepseek_models._rewrite_config(path, lambda c: c.update(num_nextn_predict_layers=0))
+  with pytest.raises(ValueError, match=r"layers \[2\] but its config.json says "
+                                       r"num_hidden_layers=2 \(and num_nextn_predict_layers=0\)"):
+    eagle3jax.load_target(path, dtype=jnp.float32)
+
+
+def test_eos_ids_outside_the_vocabulary_are_refused_at_load(checkpoint):
+  cfg = json.loads((checkpoint / "config.json").read_text())
+  (checkpoint / "config.json").write_text(json.dumps({**cfg, "eos_token_id": [2, 9000]}))
+  with pytest.raises(ValueError, match=r"eos_token_id=\[2, 9000\]: \[9000\] are not token ids "
+                                       r"in \[0, vocab_size="):
+    eagle3jax.load_target(str(checkpoint))
+  with pytest.raises(ValueError, match=r"eos_token_id=\[-1\]"):
+    eagle3jax.LlamaConfig.tiny(eos_token_ids=(-1,))
+
+
+def test_config_sizes_accept_numpy_integers_and_refuse_others():
+  cfg = eagle3jax.LlamaConfig.tiny(hidden_size=np.int64(64), eos_token_ids=(np.int32(2),))
+  assert type(cfg.hidden_size) is int and type(cfg.eos_token_ids[0]) is int
+  with pytest.raises(ValueError, match=r"hidden_size=64.0 must be a positive integer"):
+    eagle3jax.LlamaConfig.tiny(hidden_size=64.0)
+  with pytest.raises(ValueError, match=r"num_hidden_layers=True must be a positive integer"):
+    eagle3jax.LlamaConfig.tiny(num_hidden_layers=True)
+
+
+def test_models_of_the_wrong_kind_and_bad_init_arguments_are_named(tmp_path):
+  tcfg = eagle3jax.LlamaConfig.tiny(num_hidden_layers=3)
+  target = eagle3jax.init_target(tcfg)
+  dcfg = eagle3jax.DrafterConfig.for_target(tcfg, CaptureSpec((0, 1, 2)))
+  drafter = eagle3jax.init_drafter(dcfg, target=target)
+  got_drafter = r"must be a target model \(load_target / init_target\); got an EAGLE-3 drafter"
+  got_target = r"must be an EAGLE-3 drafter \(load_drafter / init_drafter\); got a target model"
+  with pytest.raises(ValueError, match="forward's target " + got_drafter):
+    eagle3jax.forward(drafter, [[1, 2]])
+  with pytest.raises(ValueError, match="save_drafter's drafter " + got_target):
+    eagle3jax.save_drafter(target, str(tmp_path / "x"))
+  with pytest.raises(ValueError, match="save_drafter's target " + got_drafter):
+    eagle3jax.save_drafter(drafter, str(tmp_path / "x"), target=drafter)
+  with pytest.raises(ValueError, match="draft_logits' drafter " + got_target):
+    eagle3jax.draft_logits(target, [[1, 2]], np.zeros((1, 2, 3 * 64), np.float32))
+  with pytest.raises(ValueError, match="init_drafter's target " + got_drafter):
+    eagle3jax.init_drafter(dcfg, target=drafter)
+  with pytest.raises(ValueError, match="load_drafter's target " + got_drafter):
+    eagle3jax.load_drafter(str(tmp_path), target=drafter)
+  with pytest.raises(ValueError, match="train_drafter's target " + got_drafter):
+    eagle3jax.train_drafter(drafter, [[1, 2]], str(tmp_path / "t"))
+  with pytest.raises(ValueError, match=r"must be a target model .*; got a str"):
+    eagle3jax.generate("model", None, [[1, 2]], max_new_tokens=2)
+  # Integer parameters passed every cast and failed inside the first jitted forward.
+  for make in (lambda: eagle3jax.init_target(tcfg, dtype=jnp.int8),
+               lambda: eagle3jax.init_drafter(dcfg, target=target, dtype=jnp.int32),
+               lambda: eagle3jax.load_target(str(tmp_path), dtype="int32")):
+    with pytest.raises(ValueError, match=r"dtype=.*int.* is not a parameter dtype: use one of"):
+      make()
+  with pytest.raises(ValueError, match=r"seed=-1 must be an integer >= 0"):
+    eagle3jax.init_drafter(dcfg, target=target, seed=-1)
+  with pytest.raises(ValueError, match=r"seed=0.5 must be an integer >= 0"):
+    eagle3jax.init_target(tcfg, seed=0.5)
+  with pytest.raises(ValueError, match=r"std=nan must be a finite number >= 0"):
+    eagle3jax.init_drafter(dcfg, target=target, std=float("nan"))
+  with pytest.raises(ValueError, match=r"input_ids has 513 positions, more than the target's "
+                                       r"max_position_embeddings=512"):
+    eagle3jax.forward(target, np.ones((1, 513), np.int32))
+
+
+def test_train_drafter_checks_its_prompts_before_writing_anything(tmp_path):
+  target = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=3))
+  out = tmp_path / "out"
+  with pytest.raises(ValueError, match=r"prompts is a flat list of 3 token ids; pass a list of "
+                                       r"prompts"):
+    eagle3jax.train_drafter(target, [5, 6, 7], str(out))
+  with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside \[0, 131\): \[131\]"):
+    eagle3jax.train_drafter(target, [[5, 6], [131]], str(out))
+  assert not out.exists()

@@ -41,7 +41,7 @@ from jax.sharding import NamedSharding
 
 from eagle3jax import capture_contract as contract
 from eagle3jax import distributed
-from eagle3jax import monitor
+from eagle3jax import model_kinds, monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
@@ -495,6 +495,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   The export carries the capture record (``eagle3jax.capture_contract``): features at the
   first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
   """
+  model_kinds.require_target("train_drafter's target", target)
+  prompts = check_prompts(prompts, target.config.vocab_size)
   if heldout_every < 0 or (heldout_every and not heldout_prompts):
     raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
   if heldout_prompts:  # checked now, not after an hour of training
