@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
-from eagle3jax import api, engine as eng
+from eagle3jax import api, checks, engine as eng
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.config import LlamaConfig
 from eagle3jax.drafter import DrafterConfig
@@ -85,6 +85,10 @@ def without_persistent_cache():
 def compile_scaling(depths=(6, 48), repeats: int = 3, mesh=None, log=print) -> dict:
   """Median compile seconds per depth for the forward and the decode loop (prefill + rounds),
   and each depth's ratio to the first depth (never read from a persistent cache)."""
+  if not depths or any(not checks.is_integer(d) or d < 3 for d in depths):
+    raise ValueError(f"depths={list(depths)} must be layer counts >= 3 (the target captures "
+                     "three distinct layers)")
+  checks.integer("repeats", repeats, 1)
   with without_persistent_cache():
     return _compile_scaling(depths, repeats, mesh, log)
 

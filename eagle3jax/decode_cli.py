@@ -35,8 +35,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--steps", type=int, default=7, help="draft steps (tree depth)")
   p.add_argument("--topk", type=int, default=1, help="branching per draft step (1 = chain)")
   p.add_argument("--draft-tokens", type=int, default=None,
-                 help="verified tokens per round, root included (default 8; a chain, --topk 1, "
-                      "always verifies steps + 1)")
+                 help="verified tokens per round, root included (default 8, or all of a "
+                      "smaller tree's nodes; a chain, --topk 1, always verifies steps + 1)")
   p.add_argument("--mesh", default="1,1", help="DATA,TENSOR mesh shape")
   p.add_argument("--aux-layer-convention", choices=("input", "output", "auto"), default=None,
                  help="needed only for drafters whose config gives capture ids without one "
@@ -102,7 +102,13 @@ def _run(args) -> int:
     prompt = codec.encode_prompt(args.prompt if args.prompt is not None else DEFAULT_PROMPT)
   kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-  draft_tokens = 8 if args.draft_tokens is None else args.draft_tokens
+  if args.draft_tokens is None:
+    # 8, or every node a smaller tree has (--steps 2 --topk 2 has 7); an invalid --steps or
+    # --topk is left to the tree's own check, which names it.
+    most = 1 + args.topk + (args.steps - 1) * args.topk ** 2 if args.topk >= 1 else 8
+    draft_tokens = max(2, min(8, most))
+  else:
+    draft_tokens = args.draft_tokens
   if args.topk == 1 and args.draft_tokens not in (None, args.steps + 1) and main:
     print(f"note: --topk 1 drafts a chain of --steps + 1 = {args.steps + 1} tokens; "
           f"--draft-tokens {args.draft_tokens} is not used", file=sys.stderr)
@@ -124,7 +130,9 @@ def _run(args) -> int:
                      on_tokens=None if args.json else stream)
   result = eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw)
   out = result.tokens[0]
+  tree = (args.steps, args.topk, args.steps + 1 if args.topk == 1 else draft_tokens)
   report = {
+      "tree": {"steps": tree[0], "topk": tree[1], "draft_tokens": tree[2]},
       "output_ids": out,
       "text": codec.decode(out) if codec else None,
       "accept_length_mean": result.stats["accept_length_mean"],
@@ -162,7 +170,8 @@ def _run(args) -> int:
   else:  # the record is greedy; sampled acceptance is not comparable with it
     recorded = (f"{recorded:.2f} (drafter's greedy record, this tree; not comparable with "
                 f"this run's sampling at temperature {args.temperature:g})")
-  rows = [("new tokens", len(out)), ("rounds", result.stats["rounds"]),
+  rows = [("tree", f"({tree[0]}, {tree[1]}, {tree[2]}) (steps, topk, draft tokens)"),
+          ("new tokens", len(out)), ("rounds", result.stats["rounds"]),
           ("accept length (mean)", "no round ran" if report["accept_length_mean"] is None
            else f"{report['accept_length_mean']:.2f}"),
           ("accept length (held-out)", recorded),

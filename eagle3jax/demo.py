@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import platform
 import sysconfig
@@ -22,6 +23,7 @@ import zlib
 
 import numpy as np
 
+from eagle3jax import checks
 from eagle3jax.flags import parse_ints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -173,6 +175,37 @@ class DemoConfig:
   heldout_every: int = 100
   seed: int = 0
 
+  def __post_init__(self):
+    """Refuses sizes and budgets that could not build the demo, at once: a bad value used to
+    fail (or train on nothing, or diverge) after the tokenizer and the target's 42 minutes.
+    The drafter's fields are checked further by ``check_drafter_recipe``."""
+    checks.int_fields(self, (
+        "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+        "max_position_embeddings", "lm_steps", "lm_batch", "lm_seq_len", "draft_vocab_size",
+        "draft_prompts", "prompt_len", "response_len", "draft_steps", "draft_batch",
+        "ttt_steps"), 1, "DemoConfig")
+    checks.int_fields(self, ("draft_intermediate_size", "draft_num_heads", "draft_head_dim",
+                             "draft_align_topk", "heldout_every", "seed"), 0, "DemoConfig")
+    for name in ("lm_seconds", "lm_lr", "draft_lr", "draft_label_temperature",
+                 "draft_step_decay"):
+      value = getattr(self, name)
+      if not checks.is_real(value) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"DemoConfig {name}={value!r} must be a finite number >= 0")
+    for name, length in (("lm_seq_len", self.lm_seq_len),
+                         ("prompt_len + response_len", self.prompt_len + self.response_len)):
+      if length > self.max_position_embeddings:
+        raise ValueError(f"DemoConfig {name}={length} exceeds max_position_embeddings="
+                         f"{self.max_position_embeddings}")
+    lm_train_config(self)  # learning rate, steps, warmup
+
+
+def lm_train_config(cfg: DemoConfig):
+  """The target's pre-training recipe (``training.lm.LMTrainConfig``) of a demo config."""
+  from eagle3jax.training.lm import LMTrainConfig  # pylint: disable=import-outside-toplevel
+  return LMTrainConfig(learning_rate=cfg.lm_lr, total_steps=cfg.lm_steps,
+                       batch_size=cfg.lm_batch, seq_len=cfg.lm_seq_len, seed=cfg.seed,
+                       max_seconds=cfg.lm_seconds, warmup_steps=min(50, cfg.lm_steps // 5))
+
 
 def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
               log=print) -> list[dict]:
@@ -181,7 +214,7 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   import jax.numpy as jnp
   import eagle3jax
   from eagle3jax.hf_export import save_target
-  from eagle3jax.training.lm import LMTrainConfig, train_lm
+  from eagle3jax.training.lm import train_lm
 
   t_start = time.perf_counter()
   os.makedirs(out_dir, exist_ok=True)
@@ -201,9 +234,7 @@ def make_demo(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   eos = tok.token_to_id(EOS)
   tcfg = target_config(cfg, tok.get_vocab_size(), eos_token_ids=(eos,))
   target = eagle3jax.init_target(tcfg, dtype=jnp.float32, seed=cfg.seed, std=0.02)
-  lm_cfg = LMTrainConfig(learning_rate=cfg.lm_lr, total_steps=cfg.lm_steps,
-                         batch_size=cfg.lm_batch, seq_len=cfg.lm_seq_len, seed=cfg.seed,
-                         max_seconds=cfg.lm_seconds, warmup_steps=min(50, cfg.lm_steps // 5))
+  lm_cfg = lm_train_config(cfg)
 
   def lm_log(step, loss, seconds):
     if step % 25 == 0:

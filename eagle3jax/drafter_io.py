@@ -215,6 +215,14 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
   mesh = target.mesh
   hf = read_config(path)
   capture, explanation, readings = resolve_capture(hf, target.num_layers, aux_layer_convention)
+  ids, recorded = contract.config_ids(hf)
+  if aux_layer_convention == "auto" and not verify_capture and ids is not None \
+      and recorded is None:
+    raise ValueError(
+        f"aux_layer_convention='auto' measures which reading of {IDS_KEY}={ids} the drafter "
+        "was trained with, and verify_capture=False skips that measurement: name the "
+        "convention ('input' or 'output'; scripts: --aux-layer-convention) or let the check "
+        "run")
   cfg = config_from_hf(hf, capture)
   check_pair(target, cfg)
   record = contract.read_record(path)

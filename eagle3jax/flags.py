@@ -1,11 +1,34 @@
 """The scripts' integer-list flags (``--mesh 1,8``, ``--capture 1,5,8``, ``--batches 1,4``):
 one parser, so every script refuses a malformed list the same way, naming its flag, instead of
-a traceback from ``int()``; and ``check_writable`` for output files, checked before a long run
-rather than after it."""
+a traceback from ``int()``; ``positive_int`` for counts (``--runs``, ``--repeats``);
+``check_writable`` for output files and ``require_modules`` for the optional packages a script
+needs, both checked before a long run rather than after it."""
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
+
+
+def positive_int(text: str) -> int:
+  """An argparse ``type`` for counts and sizes: an integer >= 1 (argparse then names the flag
+  and exits 2)."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+  return value
+
+
+def require_modules(needs: dict[str, str], install: str) -> None:
+  """Raises ``ValueError`` naming each missing optional module (``needs``: module -> what needs
+  it) and the command that installs them."""
+  missing = [f"{m} ({why})" for m, why in needs.items() if importlib.util.find_spec(m) is None]
+  if missing:
+    raise ValueError(f"missing {', '.join(missing)}: install with {install}")
 
 
 def parse_ints(text: str, flag: str, *, count: int | None = None,

@@ -10,7 +10,7 @@ import sys
 
 from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
 from eagle3jax.demo import DEFAULT_DIR
-from eagle3jax.flags import check_writable, parse_ints
+from eagle3jax.flags import check_writable, parse_ints, positive_int, require_modules
 
 
 def main() -> int:
@@ -20,7 +20,8 @@ def main() -> int:
   p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
-  p.add_argument("--runs", type=int, default=3, help="timed repetitions (medians, ranges)")
+  p.add_argument("--runs", type=positive_int, default=3,
+                 help="timed repetitions (medians, ranges)")
   p.add_argument("--no-breakdown", action="store_true",
                  help="skip the per-phase breakdown of batch-1 rounds")
   p.add_argument("--no-transformers", action="store_true",
@@ -30,6 +31,11 @@ def main() -> int:
   args = p.parse_args()
   try:
     check_writable(args.out, "--out")  # before the run, not after it
+    needs = {"matplotlib": "the plot"}
+    if not args.no_transformers:
+      needs.update(torch="the transformers baseline, or pass --no-transformers",
+                   transformers="the transformers baseline, or pass --no-transformers")
+    require_modules(needs, "pip install -e '.[bench]'")
     result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
                            max_new_tokens=args.max_new_tokens,
                            batches=parse_ints(args.batches, "--batches"),

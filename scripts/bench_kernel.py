@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax.flags import check_writable, positive_int
 from eagle3jax.kernels import tree_attention, tree_attention_reference
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
@@ -127,12 +128,18 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
   parser.add_argument("--small", action="store_true", help="tiny shapes for a smoke test")
-  parser.add_argument("--iters", type=int, default=None, help="timed runs (default 20, 3 small)")
+  parser.add_argument("--iters", type=positive_int, default=None,
+                      help="timed runs (default 20, 3 small)")
   parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   parser.add_argument("--out", help="write the rows as JSON to this file")
   args = parser.parse_args(argv)
   if jax.default_backend() != "gpu" and not args.interpret:
     parser.error(f"backend is {jax.default_backend()}: the kernel needs a GPU or --interpret")
+  if args.out:
+    try:
+      check_writable(args.out, "--out")
+    except ValueError as e:
+      parser.error(str(e))
   iters = args.iters or (3 if args.small else 20)
   print(f"tree attention, {jax.devices()[0].device_kind}, {args.dtype}, median of {iters}")
   print(HEADER)

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from eagle3jax.demo import (DEFAULT_DIR, DemoConfig, check_drafter_recipe, make_demo,
                             make_drafter, plot_curve)
-from eagle3jax.flags import check_writable
+from eagle3jax.flags import check_writable, require_modules
 
 
 def main() -> int:
@@ -31,12 +31,15 @@ def main() -> int:
     p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
                    default=field.default, help=f"DemoConfig.{field.name}")
   args = p.parse_args()
-  cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
   logging.basicConfig(format="%(message)s")
   logging.getLogger("eagle3jax").setLevel(logging.INFO)  # the learning curve as it is measured
   try:
-    check_drafter_recipe(cfg)  # at once, not after the target's 42 minutes
+    # All at once, not after the target's 42 minutes.
+    cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
+    check_drafter_recipe(cfg)
     check_writable(args.curve, "--curve")
+    if cfg.heldout_every:  # a learning curve to plot
+      require_modules({"matplotlib": "the learning curve's plot"}, "pip install -e '.[bench]'")
     log = lambda m: print(m, flush=True)  # noqa: E731
     if args.drafter_only:
       curve = make_drafter(args.out, cfg, log=log, state_dir=args.state_dir)

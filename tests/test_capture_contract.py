@@ -303,6 +303,11 @@ def test_probe_resolves_auto_and_refuses_a_list_far_below_another(saved, target,
   right = eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="input")
   assert right.config.capture == TRAINED and "probed top-1 agreement" in \
       right.capture_explanation
+  # "auto" without the probe used to load the 'output' reading silently.
+  with pytest.raises(ValueError, match=r"aux_layer_convention='auto' measures which reading "
+                                       r".*verify_capture=False skips that measurement"):
+    eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="auto",
+                           verify_capture=False)
 
 
 # --- the live monitor ---------------------------------------------------------------------

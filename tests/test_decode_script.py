@@ -66,6 +66,15 @@ def test_sampling_labels_the_greedy_record_and_skips_the_comparison(dirs, capsys
   assert "not compared (sampling)" in out
 
 
+def test_default_draft_tokens_fit_a_small_tree(dirs, capsys):
+  # The default 8 used to exceed this tree's 7 nodes and fail, naming num_draft_tokens.
+  target, drafter = dirs
+  assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "4", "--steps", "2", "--topk", "2", "--json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["tree"] == {"steps": 2, "topk": 2, "draft_tokens": 7}, out
+
+
 def test_draft_tokens_unused_by_a_chain_is_said(dirs, capsys):
   target, drafter = dirs
   assert run(["--target", target, "--drafter", drafter, "--prompt-ids", "5,6,7",

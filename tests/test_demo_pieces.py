@@ -85,7 +85,17 @@ def test_manifest_split_warns_when_the_stdlib_differs(tmp_path, monkeypatch):
     ("draft_head_dim", 7, "head_dim=7 must be a positive even number"),
     ("draft_head_init", "bogus", "head_init='bogus'"),
     ("draft_capture", "1,5,12", r"out of range for a target with 12"),
-    ("draft_lr", float("nan"), "learning_rate=nan must be a finite number"),
+    ("draft_lr", float("nan"), "draft_lr=nan must be a finite number"),
+    # The target's fields failed (or trained on nothing, or diverged) after the tokenizer
+    # and during or after the pre-training.
+    ("draft_prompts", 0, "DemoConfig draft_prompts=0 must be a positive integer"),
+    ("lm_seq_len", 0, "DemoConfig lm_seq_len=0 must be a positive integer"),
+    ("lm_batch", 0, "DemoConfig lm_batch=0 must be a positive integer"),
+    ("lm_steps", -1, "DemoConfig lm_steps=-1 must be a positive integer"),
+    ("lm_lr", float("nan"), "DemoConfig lm_lr=nan must be a finite number >= 0"),
+    ("lm_lr", 0.0, "LMTrainConfig learning_rate=0.0 must be a finite number > 0"),
+    ("lm_seq_len", 2048, "DemoConfig lm_seq_len=2048 exceeds max_position_embeddings=1024"),
+    ("response_len", 1000, "prompt_len \\+ response_len=1048 exceeds max_position_embeddings"),
 ])
 def test_drafter_recipe_is_checked_before_anything_is_built(field, value, message):
   # make_demo.py runs this first: a bad --draft-* flag used to fail after the target's

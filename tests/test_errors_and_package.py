@@ -296,6 +296,16 @@ def test_train_drafter_checks_its_prompts_before_writing_anything(tmp_path):
   with pytest.raises(ValueError, match=r"prompts is a flat list of 3 token ids; pass a list of "
                                        r"prompts"):
     eagle3jax.train_drafter(target, [5, 6, 7], str(out))
-  with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside \[0, 131\): \[131\]"):
+  with pytest.raises(ValueError, match=r"prompts\[1\] has token ids outside \[0, 131\): "
+                                       r"\[131\]"):
     eagle3jax.train_drafter(target, [[5, 6], [131]], str(out))
+  # Refused after the regeneration (minutes for the demo) until it moved up front.
+  with pytest.raises(ValueError, match=r"TrainConfig.draft_vocab_size=1000 exceeds the target "
+                                       r"vocab_size=131"):
+    eagle3jax.train_drafter(target, [[5, 6]], str(out),
+                            eagle3jax.TrainConfig(draft_vocab_size=1000, seq_len=64),
+                            capture=[0, 1, 2])
+  with pytest.raises(ValueError, match=r"drafter config field intermediate_size=0"):
+    eagle3jax.train_drafter(target, [[5, 6]], str(out), eagle3jax.TrainConfig(seq_len=64),
+                            capture=[0, 1, 2], drafter_overrides={"intermediate_size": 0})
   assert not out.exists()

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from eagle3jax.flags import parse_ints
+from eagle3jax.flags import parse_ints, positive_int, require_modules
 
 
 def test_parse_ints_reads_lists_and_refuses_by_name():
@@ -49,6 +49,24 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
     # A batch larger than the prompts used to run on fewer rows under the larger label.
     ("scripts/bench.py", ["--prompts", "1", "--batches", "1,4", "--out", "/tmp/b.json"],
      "a batch of 4 needs at least that many prompts, but --prompts is 1"),
+    # These four used to end in tracebacks, some after the whole run.
+    ("scripts/bench_train.py", ["--target", "/nonexistent"],
+     "bench_train.py: error: checkpoint directory '/nonexistent' does not exist"),
+    ("scripts/bench_moe.py", ["--experts", "4", "--json", "/nonexistent-dir/m.json"],
+     "--json '/nonexistent-dir/m.json': folder '/nonexistent-dir' does not exist"),
+    ("scripts/bench_moe.py", ["--experts", "4", "--top-k", "8"],
+     "bench_moe.py: error: RoutingConfig: top_k=8 must be"),
+    ("scripts/bench_compile.py", ["--depths", "2,4"], "depths=[2, 4] must be layer counts >= 3"),
+    ("scripts/bench_compile.py", ["--json", "tests"], "--json 'tests' is a folder"),
+    ("scripts/bench_kernel.py", ["--small", "--interpret", "--out", "/nonexistent-dir/k.json"],
+     "--out '/nonexistent-dir/k.json': folder '/nonexistent-dir' does not exist"),
+    # A zero count used to end in statistics.StatisticsError after the run.
+    ("scripts/bench_train.py", ["--runs", "0"], "argument --runs: 0 must be >= 1"),
+    ("scripts/bench_compile.py", ["--repeats", "0"], "argument --repeats: 0 must be >= 1"),
+    ("scripts/bench_moe.py", ["--repeats", "-1"], "argument --repeats: -1 must be >= 1"),
+    ("scripts/bench_kernel.py", ["--small", "--interpret", "--iters", "0"],
+     "argument --iters: 0 must be >= 1"),
+    ("scripts/bench.py", ["--runs", "x"], "argument --runs: 'x' is not an integer"),
 ])
 def test_scripts_refuse_bad_outputs_and_sizes_before_running(script, argv, message, monkeypatch,
                                                              capsys):
@@ -61,3 +79,38 @@ def test_scripts_refuse_bad_outputs_and_sizes_before_running(script, argv, messa
   err = capsys.readouterr().err
   assert code == 2, err
   assert message in err and "Traceback" not in err, err
+
+
+def test_positive_int_and_require_modules():
+  import argparse
+  assert positive_int("3") == 3
+  for bad, message in (("0", "0 must be >= 1"), ("-2", "-2 must be >= 1"),
+                       ("1.5", "'1.5' is not an integer")):
+    with pytest.raises(argparse.ArgumentTypeError, match=message):
+      positive_int(bad)
+  require_modules({"json": "reading"}, "pip install nothing")
+  with pytest.raises(ValueError, match=r"^missing no_such_module_e3j \(the plot\): install "
+                                       r"with pip install -e '.\[bench\]'$"):
+    require_modules({"json": "reading", "no_such_module_e3j": "the plot"},
+                    "pip install -e '.[bench]'")
+
+
+def test_bench_names_its_missing_optional_packages_before_running(monkeypatch, capsys):
+  """Without the [bench] extra, bench.py used to run for minutes and then fail importing
+  torch (the transformers baseline) or matplotlib (the plot)."""
+  import importlib.util
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name in ("torch", "matplotlib") else real(name, *a))
+  for argv, message in (([], "missing matplotlib (the plot), torch (the transformers baseline, "
+                             "or pass --no-transformers)"),
+                        (["--no-transformers"], "missing matplotlib (the plot): install with "
+                                                "pip install -e '.[bench]'")):
+    monkeypatch.setattr(sys, "argv", ["scripts/bench.py", "--out", "/tmp/b.json"] + argv)
+    code = None
+    try:
+      code = runpy.run_path("scripts/bench.py", run_name="__main__")
+    except SystemExit as stop:
+      code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err

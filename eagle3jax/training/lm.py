@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 from typing import Callable, Iterator
 
@@ -17,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from eagle3jax import checks
 from eagle3jax.sharding import BATCH, SEQ, shard
 
 
@@ -42,6 +44,21 @@ class LMTrainConfig:
   grad_clip: float = 1.0
   seed: int = 0
   max_seconds: float = 0.0
+
+  def __post_init__(self):
+    """Refuses values that would train on nothing, diverge to NaN or fail inside optax."""
+    checks.int_fields(self, ("total_steps", "batch_size", "seq_len"), 1, "LMTrainConfig")
+    checks.int_fields(self, ("warmup_steps", "seed"), 0, "LMTrainConfig")
+    if self.warmup_steps >= self.total_steps:
+      raise ValueError(f"LMTrainConfig warmup_steps={self.warmup_steps} must be below "
+                       f"total_steps={self.total_steps}")
+    for name, low, strict in (("learning_rate", 0, True), ("grad_clip", 0, True),
+                              ("weight_decay", 0, False), ("max_seconds", 0, False)):
+      value = getattr(self, name)
+      if not checks.is_real(value) or not math.isfinite(value) or value < low or (
+          strict and value == low):
+        raise ValueError(f"LMTrainConfig {name}={value!r} must be a finite number "
+                         f"{'>' if strict else '>='} {low}")
 
 
 def batches(tokens: np.ndarray, cfg: LMTrainConfig) -> Iterator[np.ndarray]:

@@ -507,6 +507,10 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                      f"max_position_embeddings={limit}; train on sequences of at most {limit}")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
+  # The draft vocabulary's size and the drafter's shape, before the regeneration (minutes).
+  draft_vocab_size = config.resolved_draft_vocab_size(target.config.vocab_size)
+  DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
+                           **(drafter_overrides or {}))
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
   progress = progress and distributed.is_main_process()
   os.makedirs(checkpoint_dir, exist_ok=True)
@@ -545,8 +549,7 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
       data.save(data_path)
     distributed.barrier("eagle3jax.train_drafter.data")
   vocab_size = target.config.vocab_size
-  vocab = build_draft_vocab(data.responses(), vocab_size,
-                            config.resolved_draft_vocab_size(vocab_size))
+  vocab = build_draft_vocab(data.responses(), vocab_size, draft_vocab_size)
   if progress:
     print(f"draft vocab: {vocab.size} of {vocab_size} tokens, coverage of response tokens "
           f"{vocab.coverage:.4f}")
