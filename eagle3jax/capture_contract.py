@@ -44,14 +44,17 @@ import json
 import math
 import os
 import re
+import warnings
 import weakref
 from typing import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
 from eagle3jax.distributed import to_host
+from eagle3jax.sharding import BATCH, EMBED, SEQ, shard
 
 CONVENTIONS = ("input", "output")
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
@@ -66,6 +69,10 @@ NEAR_BEST = 1.5
 # ``PROBE_RATIO * best`` and ``best - PROBE_MARGIN``.
 PROBE_RATIO = 0.75
 PROBE_MARGIN = 0.1
+# Below this best top-1 agreement the probe warns (``CaptureWarning``): under every reading the
+# drafter predicts almost none of the target's tokens, so it was trained for another target (or
+# not at all). A trained drafter on its own target scores 0.7-0.8 here.
+PROBE_FLOOR = 0.2
 PROBE_PROMPTS = 4
 PROBE_PROMPT_LEN = 16
 PROBE_NEW_TOKENS = 48
@@ -314,6 +321,19 @@ def _final_norm(target) -> np.ndarray:
   return to_host(target.norm.weight[...]).astype(np.float32)
 
 
+def _head_columns(target, ids, seed: int) -> np.ndarray:
+  """``[T, PROJECTION_DIM]`` float32: the LM head's columns of tokens ``ids`` (the weights that
+  score them) projected like the features, through the target's own ``lm_logits`` (tied or
+  not, quantized or not, on any mesh): the projection's rows are the hidden states."""
+  proj = projection(target.hidden_size, seed)                          # [D, k]
+  with jax.set_mesh(target.mesh):
+    x = shard(jnp.asarray(proj.T[None], target.dtype), (BATCH, SEQ, EMBED))
+    logits = target.lm_logits(x)[0]                                    # [k, V]
+    cols = logits.at[:, np.asarray(ids, np.int32)].get(
+        out_sharding=jax.sharding.PartitionSpec())
+  return to_host(cols).astype(np.float32).T
+
+
 def target_fingerprint(target, seed: int = 0) -> dict:
   """A small JSON-able identity of a target's weights: sizes, and projections of its final-norm
   scale and of 8 embedding rows (robust to dtype and mesh; compared by ``same_fingerprint``)."""
@@ -351,6 +371,9 @@ class CaptureRecord:
     final_norm: ``[PROJECTION_DIM]`` projected final-norm scale of the target.
     acceptance: held-out greedy acceptance length per tree shape ``"steps,topk,tokens"``.
     target_layers: number of layers of the target.
+    lm_head: ``[T, PROJECTION_DIM]`` projected LM-head columns of the calibration ids (the
+      weights that score those tokens; the embedding's for a tied head). Empty in records
+      written before it was recorded: their head is not checked.
   """
   capture: tuple[int, ...]
   calibration_ids: tuple[int, ...]
@@ -360,6 +383,7 @@ class CaptureRecord:
   final_norm: tuple
   acceptance: tuple = ()
   target_layers: int = 0
+  lm_head: tuple = ()
 
   def acceptance_for(self, steps: int, topk: int, tokens: int) -> float | None:
     return dict(self.acceptance).get(tree_key(steps, topk, tokens))
@@ -377,7 +401,8 @@ class CaptureRecord:
             "projection_dim": PROJECTION_DIM,
             "features": {str(i): r(f) for i, f in zip(self.capture, self.features)},
             "target_fingerprint": {"embedding": r(self.embedding),
-                                   "final_norm": r(self.final_norm)},
+                                   "final_norm": r(self.final_norm),
+                                   **({"lm_head": r(self.lm_head)} if self.lm_head else {})},
             "heldout_acceptance": dict(self.acceptance)}
 
   @classmethod
@@ -405,20 +430,37 @@ class CaptureRecord:
                                 f"features of capture {i}") for i in capture)
       emb = _json_array(fp["embedding"], (len(ids), PROJECTION_DIM), "embedding")
       norm = _json_array(fp["final_norm"], (PROJECTION_DIM,), "final_norm")
+      head = (_json_array(fp["lm_head"], (len(ids), PROJECTION_DIM), "lm_head")
+              if "lm_head" in fp else None)
       acceptance = d.get("heldout_acceptance", {})
+      if not isinstance(acceptance, dict):
+        raise ValueError("heldout_acceptance is not a JSON object")
       for k, v in acceptance.items():
-        if (not re.fullmatch(r"\d+,\d+,\d+", k) or isinstance(v, bool)
-            or not isinstance(v, (int, float)) or not 1 <= v < math.inf):
-          raise ValueError(f"heldout_acceptance {{{k!r}: {v!r}}}: keys are 'steps,topk,tokens' "
-                           f"and values acceptance lengths >= 1")
+        check_acceptance(k, v)
       acceptance = {k: float(v) for k, v in acceptance.items()}
       return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
                  tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
-                 tuple(sorted(acceptance.items())), layers)
+                 tuple(sorted(acceptance.items())), layers,
+                 () if head is None else tuple(map(tuple, head.tolist())))
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as e:
       why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
       raise ValueError(f"{where} is not a valid eagle3jax capture record ({why}); delete it to "
                        "load the drafter with the probe instead") from None
+
+
+def check_acceptance(key, value) -> None:
+  """Raises ``ValueError`` unless ``{key: value}`` is a held-out acceptance entry: a tree shape
+  ``"steps,topk,tokens"`` and an acceptance length from 1 to ``steps + 1`` (a round emits at
+  most every drafted token and the bonus). An impossible value would make the live monitor warn
+  on every correct pair."""
+  m = re.fullmatch(r"(\d+),(\d+),(\d+)", key) if isinstance(key, str) else None
+  steps = int(m.group(1)) if m else 0
+  if (m is None or steps < 1 or int(m.group(2)) < 1 or int(m.group(3)) < 2
+      or isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.number))
+      or not 1 <= value <= steps + 1):
+    raise ValueError(f"heldout_acceptance {{{key!r}: {value!r}}}: keys are 'steps,topk,tokens' "
+                     "(steps and topk >= 1, tokens >= 2) and values acceptance lengths from 1 "
+                     "to steps + 1")
 
 
 def _json_int(x, what: str, low: int | None = None) -> int:
@@ -469,11 +511,14 @@ def make_record(target, capture: CaptureSpec, calibration_ids, *, seed: int = 0,
                          tuple(tuple(map(tuple, c.tolist())) for c in captured),
                          tuple(map(tuple, (feats[EMBEDDING][0] @ proj).tolist())),
                          tuple((_final_norm(target) @ proj).tolist()), (),
-                         target.num_layers)
+                         target.num_layers,
+                         tuple(map(tuple, _head_columns(target, ids, seed).tolist())))
   return record.with_acceptance(acceptance or {})
 
 
 def write_record(path: str, record: CaptureRecord) -> None:
+  for k, v in record.acceptance:  # what read_record would refuse is not written
+    check_acceptance(k, v)
   tmp = os.path.join(path, RECORD_FILE + ".tmp")
   with open(tmp, "w") as f:
     json.dump(record.to_json(), f, indent=1)
@@ -499,6 +544,7 @@ class Verdict:
   errors: tuple[dict[int, float], ...]
   embedding_error: float
   norm_error: float
+  head_error: float = 0.0  # 0 for a record without the LM head
 
   def best(self) -> list[int]:
     return [min(e, key=e.get) for e in self.errors]
@@ -511,6 +557,7 @@ class Verdict:
   @property
   def same_target(self) -> bool:
     return (self.embedding_error <= FEATURE_TOL and self.norm_error <= FEATURE_TOL
+            and self.head_error <= FEATURE_TOL
             and all(min(e.values()) <= FEATURE_TOL for e in self.errors))
 
 
@@ -523,7 +570,7 @@ def compare_record(record: CaptureRecord, target, layers: Sequence[int] | None =
       set(layers) | {EMBEDDING})
   if ids.max() >= target.config.vocab_size:
     inf = {i: math.inf for i in searched}
-    return Verdict(tuple(inf for _ in record.capture), math.inf, math.inf)
+    return Verdict(tuple(inf for _ in record.capture), math.inf, math.inf, math.inf)
   feats, _ = layer_features(target, ids, searched)
   broken = [i for i, f in feats.items() if not np.isfinite(f).all()]
   if broken:
@@ -538,7 +585,9 @@ def compare_record(record: CaptureRecord, target, layers: Sequence[int] | None =
   rec_norm = np.asarray(record.final_norm, np.float32)
   norm = float(np.linalg.norm(_final_norm(target) @ proj - rec_norm)
                / max(np.linalg.norm(rec_norm), 1e-12))
-  return Verdict(errors, emb, norm if math.isfinite(norm) else math.inf)
+  head = (token_errors(np.asarray(record.lm_head, np.float32),
+                       _head_columns(target, ids, record.seed)) if record.lm_head else 0.0)
+  return Verdict(errors, emb, norm if math.isfinite(norm) else math.inf, head)
 
 
 LOAD_HINT = "verify_capture=False skips this check"
@@ -575,16 +624,18 @@ def verify_record(record: CaptureRecord, target, configured: CaptureSpec, *,
     fast = compare_record(record, target, sorted(near))
     worst = max(e[c] for e, c in zip(fast.errors, configured.layer_ids))
     if (worst <= FAST_TOL and fast.embedding_error <= FEATURE_TOL
-        and fast.norm_error <= FEATURE_TOL
+        and fast.norm_error <= FEATURE_TOL and fast.head_error <= FEATURE_TOL
         and all(fast.matches(j, c) for j, c in enumerate(configured.layer_ids))):
       return f"capture record verified (largest feature error {worst:.4f} <= {FAST_TOL})"
   verdict = compare_record(record, target)
   if not verdict.same_target:
     raise ValueError(
-        f"{where} was not trained on this target: its recorded features (calibration tokens "
-        f"{list(record.calibration_ids[:6])}...) match no layer of this target (closest "
-        f"relative errors {[round(min(e.values()), 3) for e in verdict.errors]}, embedding "
-        f"{verdict.embedding_error:.3f}, final norm {verdict.norm_error:.3f}; tolerance "
+        f"{where} was not trained on this target: its record (features at calibration tokens "
+        f"{list(record.calibration_ids[:6])}..., embedding, final norm and LM head) does not "
+        f"match this target (closest relative errors of the captures "
+        f"{[round(min(e.values()), 3) for e in verdict.errors]}, embedding "
+        f"{verdict.embedding_error:.3f}, final norm {verdict.norm_error:.3f}, LM head "
+        f"{verdict.head_error:.3f}; tolerance "
         f"{FEATURE_TOL}). Use the target it was trained for, or retrain it on this one "
         f"({hint})")
   best = verdict.best()
@@ -646,12 +697,27 @@ def probe_capture(target, drafter, readings: dict[str, CaptureSpec], seed: int =
   return scores
 
 
+class CaptureWarning(UserWarning):
+  """A drafter without a capture record agrees with the target's greedy tokens almost never
+  under every reading of its capture: it was probably trained for another target."""
+
+
 def judge_probe(scores: dict[str, float], readings: dict[str, CaptureSpec], chosen: str,
                 *, where: str = "the drafter") -> str:
-  """Refuses ``chosen`` when another reading scores far higher; returns an explanation."""
+  """Refuses ``chosen`` when another reading scores far higher, and warns when even the best
+  is near none (``PROBE_FLOOR``); returns an explanation."""
   best = max(scores, key=scores.get)
   mine = scores[chosen]
   top = scores[best]
+  if top < PROBE_FLOOR:
+    warnings.warn(
+        f"{where} has no capture record, and under every reading of its capture it predicts "
+        f"the target's next token at most {top:.2f} of the time ("
+        + ", ".join(f"{readings[k].as_list()}: {v:.2f}" for k, v in scores.items())
+        + "; a drafter trained on this target scores about 0.7): it was very likely trained "
+        "for another target, or not trained. Decoding stays correct but gains nothing; use "
+        "the target it was trained for, or retrain it on this one", CaptureWarning,
+        stacklevel=4)
   if best != chosen and readings[best] != readings[chosen] and (
       mine < PROBE_RATIO * top and mine < top - PROBE_MARGIN):
     raise ValueError(

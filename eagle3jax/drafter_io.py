@@ -307,7 +307,11 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
       raise verdict_errors[-1]
     return explanation + "; " + contract.verify_record(record, target, capture, where=where)
   if ids is None or len(readings) < 2:
-    return explanation + "; no capture record and nothing to compare the capture with"
+    # One reading, nothing to compare it with; the probe still tells a drafter trained for
+    # another target (it agrees with this one almost never) and warns.
+    only = {"configured": capture}
+    scores = contract.probe_capture(target, drafter, only)
+    return explanation + "; " + contract.judge_probe(scores, only, "configured", where=where)
   scores = contract.probe_capture(target, drafter, readings)
   if ambiguous:
     conv = max((c for c in contract.CONVENTIONS if c in scores), key=scores.get)
@@ -404,6 +408,15 @@ def _host(x) -> np.ndarray:
   return to_host(x)
 
 
+def check_savable(cfg: DrafterConfig) -> None:
+  """Raises ``ValueError`` for a drafter config the public layout cannot hold (``save_drafter``
+  checks it; ``train_drafter`` before it trains)."""
+  if cfg.rope.rope_type not in LLAMA_ROPE_TYPES:
+    raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
+                     f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
+                     "YaRN attention factor), so no engine would load it back as trained")
+
+
 def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
                  target=None, calibration_ids=None, acceptance: dict | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout, and the
@@ -424,8 +437,10 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     target: the target it drafts for; with it a fresh capture record is taken
       (``eagle3jax.capture_contract``), after the drafter's loaded record, if any, is checked
       against it (a record is never replaced by one that vouches for another target or
-      capture). Without it the loaded record, if any, is written again (its ``acceptance``
-      merged); a record whose capture is not the config's is refused.
+      capture), and a drafter without a record loaded with ``verify_capture=False`` is
+      refused (nothing checked the capture such a record would vouch for). Without it the loaded record, if any, is
+      written again (its ``acceptance`` merged); a record whose capture is not the config's is
+      refused.
     calibration_ids: token ids the record's features are taken at (default: seeded ids of the
       draft vocabulary; ``train_drafter`` passes training tokens).
     acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.
@@ -434,10 +449,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   if target is not None:
     model_kinds.require_target("save_drafter's target", target)
   cfg = drafter.config
-  if cfg.rope.rope_type not in LLAMA_ROPE_TYPES:
-    raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
-                     f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
-                     "YaRN attention factor), so no engine would load it back as trained")
+  check_savable(cfg)
   record = getattr(drafter, "capture_record", None)
   if target is None and record is not None and record.capture != cfg.capture.layer_ids:
     raise ValueError(
@@ -448,6 +460,12 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
         f"the drafter was retrained for {cfg.capture.as_list()}")
   if target is not None:  # checked before anything is gathered or written
     where = "the drafter being saved"
+    if record is None and getattr(drafter, "capture_check_skipped", False):
+      raise ValueError(
+          "this drafter has no capture record and was loaded with verify_capture=False: a "
+          "record written now would vouch for a capture nobody checked (and a wrong one "
+          "would then pass every later load). Load it with the check on (the probe), or save "
+          "it without target= (no record)")
     if record is not None:  # a fresh record must not vouch for what the old one refuses
       contract.verify_record(record, target, cfg.capture, where=where, hint=(
           "set drafter.capture_record = None first if the drafter was retrained for this "

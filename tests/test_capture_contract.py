@@ -78,6 +78,47 @@ def test_save_writes_record_and_embedding(saved, target):
                                 np.asarray(target.embed_tokens[...]))
 
 
+def test_record_covers_the_lm_head(saved, target, tmp_path):
+  """A target that differed from the drafter's only in its untied LM head passed the record
+  (features, embedding and final norm all match) and decoded at acceptance 1."""
+  rec = contract.read_record(saved)
+  assert np.asarray(rec.lm_head).shape == (contract.CALIBRATION_TOKENS, contract.PROJECTION_DIM)
+  other = H.target()
+  other.lm_head.set_value(other.lm_head[...][:, ::-1])  # another head, all else the same
+  with pytest.raises(ValueError, match=r"was not trained on this target: its record .* does "
+                                       r"not match this target .*LM head [1-9]"):
+    eagle3jax.load_drafter(saved, target=other)
+  # A record written before the head was recorded still loads (its head is not checked).
+  old = _copy(saved, tmp_path)
+  file = os.path.join(old, contract.RECORD_FILE)
+  with open(file) as f:
+    data = json.load(f)
+  del data["target_fingerprint"]["lm_head"]
+  with open(file, "w") as f:
+    json.dump(data, f)
+  assert "verified" in eagle3jax.load_drafter(old, target=target).capture_explanation
+
+
+def test_probe_warns_when_no_reading_predicts_the_target(target, tmp_path):
+  """Without a record, a drafter of another target (here: an untrained one) loaded without a
+  word; the probe now warns when it agrees with the target's tokens under no reading."""
+  path = str(tmp_path / "random")
+  eagle3jax.save_drafter(H.random_drafter(target), path)  # no target=: no record
+  assert contract.read_record(path) is None
+  with pytest.warns(contract.CaptureWarning, match=r"predicts the target's next token at most "
+                                                   r"0\.\d\d of the time"):
+    dr = eagle3jax.load_drafter(path, target=target)
+  assert "probed top-1 agreement" in dr.capture_explanation
+  # ... and a drafter loaded without any check cannot be saved with a record vouching for it.
+  unchecked = eagle3jax.load_drafter(path, target=target, verify_capture=False)
+  with pytest.raises(ValueError, match=r"no capture record and was loaded with "
+                                       r"verify_capture=False: a record written now would vouch "
+                                       r"for a capture nobody checked"):
+    eagle3jax.save_drafter(unchecked, str(tmp_path / "laundered"), target=target)
+  eagle3jax.save_drafter(unchecked, str(tmp_path / "plain"))  # no record: allowed
+  assert contract.read_record(str(tmp_path / "plain")) is None
+
+
 @pytest.mark.parametrize("dtype,mesh", [(jnp.float32, (1, 1)), (jnp.bfloat16, (2, 4))])
 def test_correct_pair_loads_silently_on_any_mesh_and_dtype(saved, dtype, mesh):
   tgt = eagle3jax.init_target(H.CFG, mesh=eagle3jax.make_mesh(*mesh), seed=0, std=0.1,
@@ -142,7 +183,8 @@ def test_corrupt_record_is_named(saved, target, tmp_path):
   nan_feat = {**feats, "6": [[float("nan")] + r[1:] for r in feats["6"]]}
   fp = good["target_fingerprint"]
   for bad, why in (({"version": 1, "capture": [1]}, "missing field 'calibration_ids'"), ([], "not a JSON object"),
-                   ({**good, "heldout_acceptance": "x"}, "items"),
+                   ({**good, "heldout_acceptance": "x"}, "heldout_acceptance is not a JSON "
+                                                          "object"),
                    ({**good, "calibration_ids": good["calibration_ids"][:2]}, "at least 4"),
                    ({**good, "calibration_ids": [-3] + good["calibration_ids"][1:]},
                     "below 0"),
@@ -154,9 +196,12 @@ def test_corrupt_record_is_named(saved, target, tmp_path):
                    ({**good, "projection_dim": 8}, "projection_dim 8"),
                    ({**good, "convention": "input"}, "convention 'input'"),
                    ({**good, "capture": [6, 3, -1]}, "ascending"),
-                   ({**good, "heldout_acceptance": {"3,1,4": "4.5"}}, "lengths >= 1"),
+                   ({**good, "heldout_acceptance": {"3,1,4": "4.5"}}, "from 1 to steps"),
                    ({**good, "heldout_acceptance": {"nonsense": 2.0}}, "'steps,topk,tokens'"),
-                   ({**good, "heldout_acceptance": {"3,1,4": 0.5}}, "lengths >= 1"),
+                   ({**good, "heldout_acceptance": {"3,1,4": 0.5}}, "from 1 to steps"),
+                   # Past steps + 1 (a round's most) made the monitor warn on a correct pair.
+                   ({**good, "heldout_acceptance": {"3,1,4": 5.0}}, "from 1 to steps \\+ 1"),
+                   ({**good, "heldout_acceptance": {"0,0,0": 1.0}}, "steps and topk >= 1"),
                    ({**good, "features": {**feats, "6": [[str(x) for x in r]
                                                          for r in feats["6"]]}},
                     "holds str"),
