@@ -23,6 +23,17 @@ def positive_int(text: str) -> int:
   return value
 
 
+def nonnegative_int(text: str) -> int:
+  """An argparse ``type`` for seeds and offsets: an integer >= 0."""
+  try:
+    value = int(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+  if value < 0:
+    raise argparse.ArgumentTypeError(f"{value} must be >= 0")
+  return value
+
+
 def require_modules(needs: dict[str, str], install: str) -> None:
   """Raises ``ValueError`` naming each missing optional module (``needs``: module -> what needs
   it) and the command that installs them."""

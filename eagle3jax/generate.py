@@ -74,6 +74,9 @@ def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[list[
     if arr.size and not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"{what}[{i}] must hold integer token ids; got {arr.dtype} values "
                        f"{arr.ravel()[:5].tolist()}")
+    if not isinstance(p, (np.ndarray, jax.Array)) and any(
+        isinstance(t, (bool, np.bool_)) for t in p):  # NumPy makes [True, 5] integers
+      raise ValueError(f"{what}[{i}] holds booleans; token ids must be integers")
     p = [int(t) for t in arr]
     if not p:
       raise ValueError(f"{what}[{i}] is empty; every prompt needs at least one token")

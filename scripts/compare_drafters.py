@@ -11,7 +11,7 @@ import sys
 
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
-from eagle3jax.flags import check_writable, parse_ints
+from eagle3jax.flags import check_writable, nonnegative_int, parse_ints, positive_int
 
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -48,12 +48,13 @@ def main() -> int:
   p.add_argument("drafters", nargs="+", help="drafter folders (EAGLE-3 layout)")
   p.add_argument("--demo-dir", default=DEFAULT_DIR,
                  help="folder with target/ and manifest.json (held-out files)")
-  p.add_argument("--prompts", type=int, default=64, help="held-out prompts")
-  p.add_argument("--seed", type=int, default=99, help="which held-out prompts are drawn")
+  p.add_argument("--prompts", type=positive_int, default=64, help="held-out prompts")
+  p.add_argument("--seed", type=nonnegative_int, default=99,
+                 help="which held-out prompts are drawn")
   p.add_argument("--shapes", default="7,1,8;5,4,8",
                  help="tree shapes 'steps,topk,tokens', separated by ';'")
   p.add_argument("--max-new-tokens", type=int, default=128)
-  p.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+  p.add_argument("--batch", type=positive_int, default=8, help="prompts per generate call")
   p.add_argument("--misses", action="store_true",
                  help="also break each drafter's misses down by the target's logit gap and by "
                       "position in the response (on the same prompts' greedy responses)")

@@ -105,7 +105,8 @@ def _read_ids_file(path: str, flag: str) -> list[list[int]]:
     except ValueError as e:
       raise ValueError(f"{flag} {path!r} is not JSON: {e}") from None
   if (not isinstance(prompts, list) or not prompts
-      or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p)
+      or not all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in p)
                  for p in prompts)):
     raise ValueError(f"{flag} {path!r} must hold a non-empty JSON list of non-empty lists of "
                      "integers")
@@ -120,10 +121,14 @@ def _read_prompts(args) -> list[list[int]]:
   tok_path = os.path.join(args.target, "tokenizer.json")
   if not os.path.isfile(tok_path):
     raise ValueError(f"--prompts needs {tok_path}; give --prompt-ids-file instead")
-  import tokenizers  # pylint: disable=import-outside-toplevel
-  tok = tokenizers.Tokenizer.from_file(tok_path)
-  with open(args.prompts, encoding="utf-8") as f:
-    lines = [line.rstrip("\n") for line in f if line.strip()]
+  from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
+  tok = TextCodec(args.target).tokenizer  # a damaged tokenizer.json is named, not a traceback
+  try:
+    with open(args.prompts, encoding="utf-8") as f:
+      lines = [line.rstrip("\n") for line in f if line.strip()]
+  except UnicodeDecodeError as e:
+    raise ValueError(f"--prompts {args.prompts!r} is not UTF-8 text ({e}); give one prompt "
+                     "per line in UTF-8") from None
   if not lines:
     raise ValueError(f"--prompts {args.prompts!r} has no non-empty lines")
   return [tok.encode(line).ids for line in lines]

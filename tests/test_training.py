@@ -6,6 +6,7 @@ import functools
 import json
 import os
 import re
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ from flax import nnx
 import eagle3jax
 from eagle3jax import training
 from eagle3jax.layers import rms_norm
+from eagle3jax.rope import RopeConfig
 from eagle3jax.training import ttt
 from tests import engine_helpers
 from tests.script_loader import load_script
@@ -399,6 +401,90 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   other_target = eagle3jax.init_target(engine_helpers.CFG, mesh=target.mesh, seed=5, std=0.5)
   with pytest.raises(ValueError, match="trained on another target"):
     training.Trainer(other_target, _drafter(other_target, d), d, cfg, checkpoint_dir=ckpt)
+
+
+def test_resume_refuses_another_drafter_and_names_damaged_checkpoints(target, tmp_path):
+  """Checkpoint metadata is read and checked before the arrays: a drafter of another config
+  used to meet orbax's shape error (or, same shapes, resume and export under the new config
+  silently), and a damaged step a TensorStore traceback."""
+  rng = np.random.default_rng(6)
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(4)]
+  d = training.build_training_data(target, prompts, seq_len=SEQ_LEN, max_new_tokens=24)
+  cfg = training.TrainConfig(**{**CFG.__dict__, "checkpoint_every": 1})
+  ckpt = tmp_path / "ckpt"
+  first = training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=str(ckpt))
+  first.train(2, progress=False)
+  first.close()
+  vocab = training.build_draft_vocab(d.responses(), target.config.vocab_size, DRAFT_VOCAB)
+  for overrides, fields in (({"rms_norm_eps": 0.1}, r"rms_norm_eps=1e-0?6 there, 0.1 here"),
+                            ({"intermediate_size": 16}, r"intermediate_size=\d+ there, 16 here")):
+    other = eagle3jax.init_drafter(eagle3jax.DrafterConfig.for_target(
+        target.config, CAPTURE, draft_vocab_size=DRAFT_VOCAB, **overrides), target=target,
+        d2t=vocab.d2t)
+    with pytest.raises(ValueError, match=r"step 2 in .* was trained as another drafter: config "
+                                         r"fields " + fields):
+      training.Trainer(target, other, d, cfg, checkpoint_dir=str(ckpt))
+  # A damaged latest step is named with what to do; the one before it still resumes.
+  state = ckpt / "2" / "state"
+  for item in state.iterdir():
+    if item.is_dir():
+      shutil.rmtree(item)
+  with pytest.raises(ValueError, match=r"step 2 in .* cannot be restored into this drafter "
+                                       r"\(.*\); delete .*2 to resume from the checkpoint "
+                                       r"before it"):
+    training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=str(ckpt))
+  shutil.rmtree(ckpt / "2")
+  assert training.Trainer(target, _drafter(target, d), d, cfg,
+                          checkpoint_dir=str(ckpt)).step == 1
+  (ckpt / "5").mkdir()  # an empty step folder (a write that never started)
+  with pytest.raises(ValueError, match=r"step 5 in .* has no readable metadata .*; delete "):
+    training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=str(ckpt))
+
+
+def test_damaged_training_data_is_named(tmp_path):
+  path = tmp_path / "data.npz"
+  for content in (b"", b"PK\x03\x04 not a zip", b"just text"):
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=r"data.npz is not readable training data .*; delete "
+                                         r"it to regenerate"):
+      training.TrainingData.load(str(path))
+  np.savez(path, tokens=np.zeros((1, 4), np.int32))
+  with pytest.raises(ValueError, match=r"lacks \['lengths', 'loss_mask'\]"):
+    training.TrainingData.load(str(path))
+
+
+def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_path,
+                                                                      monkeypatch):
+  def no_regeneration(*args, **kwargs):
+    raise AssertionError("regenerated before the arguments were checked")
+  monkeypatch.setattr(training.trainer, "build_training_data", no_regeneration)
+  prompts = [[5, 6, 7], [8, 9]]
+  out = str(tmp_path / "out")
+  cfg = training.TrainConfig(**{**CFG.__dict__, "total_steps": 4})
+
+  def refused(message, prompts=prompts, out=out, **kwargs):
+    with pytest.raises(ValueError, match=message):
+      training.train_drafter(target, prompts, out, cfg, capture=CAPTURE, progress=False,
+                             **kwargs)
+
+  refused(r"heldout_shape=\(3, 1\) must be \(steps, topk, draft tokens\)",
+          heldout_prompts=prompts, heldout_every=2, heldout_shape=(3, 1))
+  refused(r"heldout_shape=\(0, 1, 4\): num_steps=0", heldout_prompts=prompts,
+          heldout_shape=(0, 1, 4))
+  refused(r"heldout_every=2.5 must be an integer", heldout_prompts=prompts, heldout_every=2.5)
+  refused(r"heldout_prompts: the longest has 400 tokens, and measuring acceptance generates "
+          r"128 after it", heldout_prompts=[[5] * 400])
+  refused(r"heldout_prompts\[0\] holds booleans", heldout_prompts=[[True, 5, 6]])
+  refused(r"drafter rope type 'yarn' cannot be saved",
+          drafter_overrides={"rope": RopeConfig(rope_type="yarn", factor=2.0,
+                                                original_max_position_embeddings=256)})
+  refused(r"every prompt has at least seq_len=32 tokens", prompts=[[5] * 32, [6] * 40])
+  # An out_dir holding another model (the target's own folder, say) would be overwritten.
+  target_dir = tmp_path / "target"
+  target_dir.mkdir()
+  (target_dir / "config.json").write_text('{"model_type": "llama", "vocab_size": 131}')
+  refused(r"holds .*config.json, which is not an EAGLE-3 drafter's .*: exporting there would "
+          r"overwrite that model", out=str(target_dir))
 
 
 def test_export_load_decode_is_lossless(target, data, tmp_path):

@@ -80,10 +80,19 @@ class TrainingData:
 
   @classmethod
   def load(cls, path: str) -> "TrainingData":
-    with np.load(path) as f:
-      text = lambda key: str(f[key]) if key in f.files else ""  # noqa: E731
-      return cls(f["tokens"].astype(np.int32), f["loss_mask"].astype(bool),
-                 f["lengths"].astype(np.int32), text("source"), text("target"))
+    """Reads ``save``'s file; a damaged or foreign one is refused naming it."""
+    try:
+      with np.load(path) as f:
+        missing = sorted({"tokens", "loss_mask", "lengths"} - set(f.files))
+        if missing:
+          raise ValueError(f"it lacks {missing}")
+        text = lambda key: str(f[key]) if key in f.files else ""  # noqa: E731
+        return cls(f["tokens"].astype(np.int32), f["loss_mask"].astype(bool),
+                   f["lengths"].astype(np.int32), text("source"), text("target"))
+    except Exception as e:  # zipfile, pickle, EOF, shape errors: all mean "unreadable"
+      raise ValueError(f"{path} is not readable training data ({type(e).__name__}: {e}); "
+                       "delete it to regenerate it from the prompts (the checkpoints beside it "
+                       "stay valid only for the same prompts and settings)") from None
 
 
 def data_source(prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,

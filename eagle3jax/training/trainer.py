@@ -41,14 +41,15 @@ from jax.sharding import NamedSharding
 
 from eagle3jax import capture_contract as contract
 from eagle3jax import distributed
-from eagle3jax import model_kinds, monitor
+from eagle3jax import checks, model_kinds, monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
-from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
+from eagle3jax.drafter_io import HEAD_INITS, check_savable, init_drafter, save_drafter
 from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
+from eagle3jax.tree import TreeShape
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      build_training_data, data_source, next_batch,
                                      target_features)
@@ -129,14 +130,18 @@ class TrainConfig:
       low = 0 if name == "warmup_steps" else 1
       if not is_integer(value) or value < low:
         raise ValueError(f"TrainConfig.{name}={value!r} must be an integer >= {low}")
+      object.__setattr__(self, name, int(value))  # NumPy integers as ints (JSON checkpoints)
     reals = ("learning_rate", "final_lr_fraction", "b1", "b2", "weight_decay", "grad_clip",
              "step_decay", "label_temperature", "temperature")
     for name in reals:
       value = getattr(self, name)
       if not is_real(value) or not math.isfinite(value):
         raise ValueError(f"TrainConfig.{name}={value!r} must be a finite number")
+      object.__setattr__(self, name, float(value))
     if not is_integer(self.seed) or not 0 <= self.seed < 2**31:
       raise ValueError(f"TrainConfig.seed={self.seed!r} must be an integer in [0, 2**31)")
+    object.__setattr__(self, "seed", int(self.seed))
+    object.__setattr__(self, "align_topk", int(self.align_topk))
     if self.warmup_steps >= self.total_steps:
       raise ValueError(f"TrainConfig.warmup_steps={self.warmup_steps} must be below "
                        f"total_steps={self.total_steps}")
@@ -158,10 +163,11 @@ class TrainConfig:
     if self.weight_decay < 0 or self.grad_clip <= 0 or self.temperature < 0:
       raise ValueError(f"TrainConfig: weight_decay={self.weight_decay} and temperature="
                        f"{self.temperature} must be >= 0, grad_clip={self.grad_clip} > 0")
-    if self.draft_vocab_size is not None and (not isinstance(self.draft_vocab_size, int)
-                                              or self.draft_vocab_size < 1):
-      raise ValueError(f"TrainConfig.draft_vocab_size={self.draft_vocab_size!r} must be a "
-                       "positive integer or None")
+    if self.draft_vocab_size is not None:
+      if not is_integer(self.draft_vocab_size) or self.draft_vocab_size < 1:
+        raise ValueError(f"TrainConfig.draft_vocab_size={self.draft_vocab_size!r} must be a "
+                         "positive integer or None")
+      object.__setattr__(self, "draft_vocab_size", int(self.draft_vocab_size))
 
   @classmethod
   def from_dict(cls, values: dict) -> "TrainConfig":
@@ -241,13 +247,19 @@ def _fingerprint(data: TrainingData) -> int:
                     + np.ascontiguousarray(data.loss_mask).tobytes())
 
 
+def _drafter_shape(cfg: DrafterConfig) -> dict:
+  """The drafter config as JSON values (what its checkpoints' parameters were trained as)."""
+  return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
 def _identity(target, drafter) -> dict:
-  """What a training checkpoint is tied to: capture, target, draft vocabulary."""
+  """What a training checkpoint is tied to: capture, target, draft vocabulary, drafter config."""
   d2t = distributed.to_host(drafter.d2t[...])
   return {"capture": drafter.config.capture.as_list(),
           "target": contract.target_fingerprint(target),
           "draft_vocab": {"size": int(d2t.shape[0]),
-                          "crc": zlib.crc32(np.ascontiguousarray(d2t, np.int64).tobytes())}}
+                          "crc": zlib.crc32(np.ascontiguousarray(d2t, np.int64).tobytes())},
+          "drafter_config": _drafter_shape(drafter.config)}
 
 
 def _check_identity(meta: dict, ours: dict, where: str) -> None:
@@ -269,6 +281,20 @@ def _check_identity(meta: dict, ours: dict, where: str) -> None:
     raise ValueError(f"{where} was trained with another draft vocabulary "
                      f"({meta['draft_vocab']}) than this run's ({ours['draft_vocab']}); use "
                      "the same draft_vocab_size and data, or a fresh checkpoint directory")
+  if "drafter_config" in meta and meta["drafter_config"] != ours["drafter_config"]:
+    theirs, mine = meta["drafter_config"], ours["drafter_config"]
+    fields = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+    raise ValueError(f"{where} was trained as another drafter: config fields "
+                     + ", ".join(f"{k}={theirs.get(k)!r} there, {mine.get(k)!r} here"
+                                 for k in fields)
+                     + "; resuming would train (or export) its weights under another config. "
+                     "Use the checkpoint's drafter settings (drafter_overrides) or a fresh "
+                     "checkpoint directory")
+
+
+def _first_line(e: Exception) -> str:
+  text = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
 def _abstract(tree):
@@ -316,7 +342,11 @@ class Trainer:
       distributed.same_on_all(-1 if latest is None else latest,
                               f"the latest checkpoint in {checkpoint_dir}")
       if latest is not None:
-        self.restore(latest)
+        try:
+          self.restore(latest)
+        except BaseException:
+          self._manager.close()  # no half-open manager left to the garbage collector
+          raise
 
   @property
   def capture(self) -> CaptureSpec:
@@ -410,17 +440,39 @@ class Trainer:
     self._manager.wait_until_finished()
 
   def restore(self, step: int) -> None:
-    """Loads the checkpoint of ``step``: parameters, optimiser state, data position."""
-    tree = {"params": self.params, "opt_state": self.opt_state}
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(_abstract(tree)), meta=ocp.args.JsonRestore()))
-    meta = out.meta
-    _check_identity(meta, self._identity, f"the checkpoint of step {step} in "
-                    f"{self._manager.directory}")
+    """Loads the checkpoint of ``step``: parameters, optimiser state, data position.
+
+    Its metadata is read and checked first (capture, target, draft vocabulary, drafter config,
+    data), so a checkpoint of another run is refused by what differs; a step that cannot be
+    read (a damaged or partial write) is refused naming its folder."""
+    where = f"the checkpoint of step {step} in {self._manager.directory}"
+    folder = os.path.join(str(self._manager.directory), str(step))
+    unreadable = (f"; delete {folder} to resume from the checkpoint before it, or use a fresh "
+                  "checkpoint directory")
+    try:
+      meta = self._manager.restore(step, args=ocp.args.Composite(
+          meta=ocp.args.JsonRestore())).meta
+    except Exception as e:  # orbax and its storage raise many kinds; all mean "unreadable"
+      raise ValueError(f"{where} has no readable metadata ({_first_line(e)})"
+                       + unreadable) from None
+    if not isinstance(meta, dict) or not {"step", "epoch", "cursor"} <= set(meta):
+      raise ValueError(f"{where} has incomplete metadata" + unreadable)
+    _check_identity(meta, self._identity, where)
     if meta.get("data_crc") != _fingerprint(self.data):
-      raise ValueError(f"the checkpoint of step {step} in {self._manager.directory} was "
+      raise ValueError(f"{where} was "
                        "written for other training data (its data position would be "
                        "meaningless); use the same data or a fresh checkpoint directory")
+    tree = {"params": self.params, "opt_state": self.opt_state}
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(_abstract(tree))))
+    except Exception as e:  # pylint: disable=broad-except
+      shapes = "shape" in str(e)
+      raise ValueError(
+          f"{where} cannot be restored into this drafter ({_first_line(e)})"
+          + ("; its parameters have other shapes: it was written for another drafter shape "
+             "or a mesh that replicates the KV heads differently. Use the checkpoint's "
+             "settings or a fresh checkpoint directory" if shapes else unreadable)) from None
     saved = meta.get("config", {})
     changed = sorted(k for k, v in dataclasses.asdict(self.config).items()
                      if k in saved and saved[k] != v)
@@ -460,6 +512,44 @@ class TrainResult:
   curve: list[dict] = dataclasses.field(default_factory=list)
 
 
+# New tokens per held-out prompt when the acceptance is measured (the curve and the record).
+HELDOUT_NEW_TOKENS = 128
+
+
+def _heldout_tree(heldout_shape) -> TreeShape:
+  """``heldout_shape`` (steps, topk, draft tokens) as a checked tree shape."""
+  try:
+    steps, topk, tokens = heldout_shape
+  except (TypeError, ValueError):
+    raise ValueError(f"heldout_shape={heldout_shape!r} must be (steps, topk, draft tokens), "
+                     "e.g. (7, 1, 8)") from None
+  try:
+    shape = TreeShape(steps, topk, tokens)
+  except ValueError as e:
+    raise ValueError(f"heldout_shape={tuple(heldout_shape)!r}: {e}") from None
+  if topk == 1 and tokens != steps + 1:
+    raise ValueError(f"heldout_shape={tuple(heldout_shape)!r}: a chain (topk 1) verifies "
+                     f"steps + 1 = {steps + 1} tokens")
+  return shape
+
+
+def _check_out_dir(out_dir: str) -> None:
+  """Refuses an ``out_dir`` that holds a model other than an EAGLE-3 drafter (the target's own
+  folder, say): the export would overwrite its ``config.json`` and weights."""
+  path = os.path.join(out_dir, "config.json")
+  if not os.path.isfile(path):
+    return
+  try:
+    with open(path, encoding="utf-8") as f:
+      cfg = json.load(f)
+  except (OSError, ValueError):
+    cfg = None
+  if not (isinstance(cfg, dict) and ("draft_vocab_size" in cfg or "eagle_config" in cfg)):
+    raise ValueError(f"out_dir {out_dir!r} holds {path}, which is not an EAGLE-3 drafter's "
+                     "(a target's, perhaps): exporting there would overwrite that model. Give "
+                     "another out_dir")
+
+
 def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
                   capture: CaptureSpec | Sequence[int] | None = None,
@@ -497,20 +587,36 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   """
   model_kinds.require_target("train_drafter's target", target)
   prompts = check_prompts(prompts, target.config.vocab_size)
-  if heldout_every < 0 or (heldout_every and not heldout_prompts):
-    raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts and must be >= 0")
-  if heldout_prompts:  # checked now, not after an hour of training
-    check_prompts(heldout_prompts, target.config.vocab_size, what="heldout_prompts")
+  # Everything below is checked now, not after the regeneration (minutes) or the training.
+  heldout_every = checks.integer("heldout_every", heldout_every, 0)
+  if heldout_every and not heldout_prompts:
+    raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts")
   limit = target.config.max_position_embeddings
+  if heldout_prompts:
+    heldout_prompts = check_prompts(heldout_prompts, target.config.vocab_size,
+                                    what="heldout_prompts")
+    shape = _heldout_tree(heldout_shape)
+    deepest = max([shape.num_steps] + [s for s, _, _ in monitor.DEFAULT_SHAPES])
+    need = max(len(p) for p in heldout_prompts) + HELDOUT_NEW_TOKENS + deepest
+    if need > limit:
+      raise ValueError(f"heldout_prompts: the longest has {need - HELDOUT_NEW_TOKENS - deepest} "
+                       f"tokens, and measuring acceptance generates {HELDOUT_NEW_TOKENS} after "
+                       f"it (plus {deepest} drafted), past the target's "
+                       f"max_position_embeddings={limit}; shorten the held-out prompts")
   if config.seq_len > limit:
     raise ValueError(f"TrainConfig.seq_len={config.seq_len} exceeds the target's "
                      f"max_position_embeddings={limit}; train on sequences of at most {limit}")
+  if min(len(p) for p in prompts) >= config.seq_len:
+    raise ValueError(f"every prompt has at least seq_len={config.seq_len} tokens, so no "
+                     "response token would fit in a training sequence: raise seq_len or "
+                     "shorten the prompts")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
-  # The draft vocabulary's size and the drafter's shape, before the regeneration (minutes).
   draft_vocab_size = config.resolved_draft_vocab_size(target.config.vocab_size)
-  DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
-                           **(drafter_overrides or {}))
+  check_savable(DrafterConfig.for_target(target.config, capture,
+                                         draft_vocab_size=draft_vocab_size,
+                                         **(drafter_overrides or {})))
+  _check_out_dir(out_dir)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
   progress = progress and distributed.is_main_process()
   os.makedirs(checkpoint_dir, exist_ok=True)
@@ -528,7 +634,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     if data.target and not contract.same_fingerprint(json.loads(data.target),
                                                      contract.target_fingerprint(target)):
       raise ValueError(f"{data_path} was regenerated by another target than this one; use a "
-                       f"fresh checkpoint directory (--out), or delete {data_path}")
+                       f"fresh checkpoint directory (--out), or delete {checkpoint_dir} to start "
+                       "over (its checkpoints belong to that data)")
     if not data.source:
       log.warning("%s does not record the prompts it was regenerated from (written by an "
                   "older eagle3jax): training on it as it is", data_path)
@@ -537,7 +644,7 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
           f"{data_path} was regenerated from other prompts or regeneration settings "
           f"(max_new_tokens, temperature, or the seed when sampling) than this run's; resuming "
           f"would silently train on the old data. Use a fresh checkpoint directory (--out), or "
-          f"delete {data_path} to regenerate")
+          f"delete {checkpoint_dir} to start over (its checkpoints belong to that data)")
   else:
     data = build_training_data(target, prompts, seq_len=config.seq_len,
                                max_new_tokens=config.max_new_tokens,
@@ -564,9 +671,10 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     while True:
       trainer.train(heldout_every or None, progress=progress)
       if heldout_every:
-        steps, topk, tokens = heldout_shape
-        tau = monitor.measure_acceptance(target, trainer.drafter, list(heldout_prompts),
-                                         (heldout_shape,), eos_ids=[])
+        steps, topk, tokens = shape.num_steps, shape.topk, shape.num_draft_tokens
+        tau = monitor.measure_acceptance(target, trainer.drafter, heldout_prompts,
+                                         ((steps, topk, tokens),), eos_ids=[],
+                                         max_new_tokens=HELDOUT_NEW_TOKENS)
         curve.append({"step": trainer.step, "accept_length": tau[tree_key(steps, topk, tokens)],
                       "seconds": round(time.perf_counter() - t0, 1)})
         log.info("held-out acceptance at step %d: %s", trainer.step, curve[-1])
@@ -576,7 +684,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   finally:
     trainer.close()
   drafter = trainer.drafter
-  acceptance = (monitor.measure_acceptance(target, drafter, list(heldout_prompts))
+  acceptance = (monitor.measure_acceptance(target, drafter, heldout_prompts,
+                                           max_new_tokens=HELDOUT_NEW_TOKENS)
                 if heldout_prompts else {})
   calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
   save_drafter(drafter, out_dir, target=target,
