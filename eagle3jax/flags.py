@@ -11,27 +11,25 @@ import importlib.util
 import os
 
 
-def positive_int(text: str) -> int:
-  """An argparse ``type`` for counts and sizes: an integer >= 1 (argparse then names the flag
-  and exits 2)."""
+def _int_at_least(text: str, low: int) -> int:
   try:
     value = int(text)
   except ValueError:
     raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+  if value < low:
+    raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
   return value
+
+
+def positive_int(text: str) -> int:
+  """An argparse ``type`` for counts and sizes: an integer >= 1 (argparse then names the flag
+  and exits 2)."""
+  return _int_at_least(text, 1)
 
 
 def nonnegative_int(text: str) -> int:
   """An argparse ``type`` for seeds and offsets: an integer >= 0."""
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-  return value
+  return _int_at_least(text, 0)
 
 
 def require_modules(needs: dict[str, str], install: str) -> None:
