@@ -713,7 +713,8 @@ def judge_probe(scores: dict[str, float], readings: dict[str, CaptureSpec], chos
     warnings.warn(
         f"{where} has no capture record, and under every reading of its capture it predicts "
         f"the target's next token at most {top:.2f} of the time ("
-        + ", ".join(f"{readings[k].as_list()}: {v:.2f}" for k, v in scores.items())
+        + ", ".join(dict.fromkeys(f"{readings[k].as_list()}: {v:.2f}"
+                                  for k, v in scores.items()))
         + "; a drafter trained on this target scores about 0.7): it was very likely trained "
         "for another target, or not trained. Decoding stays correct but gains nothing; use "
         "the target it was trained for, or retrain it on this one", CaptureWarning,

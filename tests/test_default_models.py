@@ -189,10 +189,12 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   assert mod.main() == 2
   err = capsys.readouterr().err
   assert "expected 'steps,topk,tokens" in err and len(err.strip().splitlines()) == 1
-  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--batch", "0"])
-  assert mod.main() == 2
-  err = capsys.readouterr().err
-  assert "batch_size >= 1 (got 0)" in err and len(err.strip().splitlines()) == 1
+  for flag, value in (("--batch", "0"), ("--prompts", "0"), ("--seed", "-1")):
+    monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, flag, value])
+    with pytest.raises(SystemExit) as stop:  # argparse: usage line and one error line
+      mod.main()
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and f"argument {flag}: {value} must be >= " in err, err
   monkeypatch.setattr(sys, "argv", ["compare_drafters.py", str(tmp_path / "nothing")])
   assert mod.main() == 2
   err = capsys.readouterr().err
