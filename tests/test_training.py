@@ -403,6 +403,10 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
     training.Trainer(other_target, _drafter(other_target, d), d, cfg, checkpoint_dir=ckpt)
 
 
+# Orbax's failed read of the damaged step leaves TensorStore callbacks aimed at its closed
+# asyncio loop ("Event loop is closed", reported later as unraisable): noise after the error,
+# from inside orbax, not a failure.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_resume_refuses_another_drafter_and_names_damaged_checkpoints(target, tmp_path):
   """Checkpoint metadata is read and checked before the arrays: a drafter of another config
   used to meet orbax's shape error (or, same shapes, resume and export under the new config
