@@ -217,7 +217,7 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
   capture, explanation, readings = resolve_capture(hf, target.num_layers, aux_layer_convention)
   ids, recorded = contract.config_ids(hf)
   if aux_layer_convention == "auto" and not verify_capture and ids is not None \
-      and recorded is None:
+      and recorded is None and sum(c in readings for c in contract.CONVENTIONS) > 1:
     raise ValueError(
         f"aux_layer_convention='auto' measures which reading of {IDS_KEY}={ids} the drafter "
         "was trained with, and verify_capture=False skips that measurement: name the "
@@ -448,6 +448,8 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   model_kinds.require_drafter("save_drafter's drafter", drafter)
   if target is not None:
     model_kinds.require_target("save_drafter's target", target)
+  for k, v in (acceptance or {}).items():  # on every process, before anything is written
+    contract.check_acceptance(k, v)
   cfg = drafter.config
   check_savable(cfg)
   record = getattr(drafter, "capture_record", None)

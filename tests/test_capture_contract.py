@@ -99,6 +99,17 @@ def test_record_covers_the_lm_head(saved, target, tmp_path):
   assert "verified" in eagle3jax.load_drafter(old, target=target).capture_explanation
 
 
+def test_save_checks_the_acceptance_before_writing_anything(saved, target, tmp_path):
+  path = tmp_path / "d"
+  shutil.copytree(saved, path)
+  before = {f: (path / f).read_bytes() for f in os.listdir(path)}
+  dr = eagle3jax.load_drafter(str(path), target=target)
+  for bad in ({"3,1,4": 5.0}, {"3,1,4": True}, {"0,1,2": 1.0}):
+    with pytest.raises(ValueError, match=r"heldout_acceptance .*from 1 to steps \+ 1"):
+      eagle3jax.save_drafter(dr, str(path), target=target, acceptance=bad)
+    assert {f: (path / f).read_bytes() for f in os.listdir(path)} == before
+
+
 def test_probe_warns_when_no_reading_predicts_the_target(target, tmp_path):
   """Without a record, a drafter of another target (here: an untrained one) loaded without a
   word; the probe now warns when it agrees with the target's tokens under no reading."""
@@ -153,6 +164,12 @@ def test_wrong_convention_is_refused_and_auto_is_settled_by_the_record(saved, ta
       dr.capture_explanation
   with pytest.raises(ValueError, match=r"those of layers \[-1, 3, 6\]"):
     eagle3jax.load_drafter(ambiguous, target=target, aux_layer_convention="output")
+  # "auto" with the check off is refused only where two readings fit: here only 'input' does
+  # (layer 8 is past this 8-layer target), so there is nothing to measure and it loads.
+  single = _copy(saved, tmp_path / "single", ids=[2, 5, 8], convention=None)
+  dr = eagle3jax.load_drafter(single, target=target, aux_layer_convention="auto",
+                              verify_capture=False)
+  assert dr.config.capture.layer_ids == (1, 4, 7)
 
 
 def test_other_target_of_the_same_shape_is_refused(saved):

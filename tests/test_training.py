@@ -477,7 +477,8 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
           heldout_shape=(0, 1, 4))
   refused(r"heldout_every=2.5 must be an integer", heldout_prompts=prompts, heldout_every=2.5)
   refused(r"heldout_prompts: the longest has 400 tokens, and measuring acceptance generates "
-          r"128 after it", heldout_prompts=[[5] * 400])
+          r"128 after it, past the target's max_position_embeddings=512",
+          heldout_prompts=[[5] * 400])
   refused(r"heldout_prompts\[0\] holds booleans", heldout_prompts=[[True, 5, 6]])
   refused(r"drafter rope type 'yarn' cannot be saved",
           drafter_overrides={"rope": RopeConfig(rope_type="yarn", factor=2.0,

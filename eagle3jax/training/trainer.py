@@ -596,12 +596,10 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     heldout_prompts = check_prompts(heldout_prompts, target.config.vocab_size,
                                     what="heldout_prompts")
     shape = _heldout_tree(heldout_shape)
-    deepest = max([shape.num_steps] + [s for s, _, _ in monitor.DEFAULT_SHAPES])
-    need = max(len(p) for p in heldout_prompts) + HELDOUT_NEW_TOKENS + deepest
-    if need > limit:
-      raise ValueError(f"heldout_prompts: the longest has {need - HELDOUT_NEW_TOKENS - deepest} "
-                       f"tokens, and measuring acceptance generates {HELDOUT_NEW_TOKENS} after "
-                       f"it (plus {deepest} drafted), past the target's "
+    longest = max(len(p) for p in heldout_prompts)
+    if longest + HELDOUT_NEW_TOKENS > limit:  # what generate would refuse after the training
+      raise ValueError(f"heldout_prompts: the longest has {longest} tokens, and measuring "
+                       f"acceptance generates {HELDOUT_NEW_TOKENS} after it, past the target's "
                        f"max_position_embeddings={limit}; shorten the held-out prompts")
   if config.seq_len > limit:
     raise ValueError(f"TrainConfig.seq_len={config.seq_len} exceeds the target's "
