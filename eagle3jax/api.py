@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from eagle3jax import model_kinds
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 
 
@@ -56,7 +57,6 @@ def forward(target, input_ids, *, capture: CaptureSpec | Sequence[int] | None = 
   ``[B, T, len(ids) * D]`` (see ``eagle3jax.CaptureSpec`` for the convention). Runs on the
   host (it checks the ids, then calls its own jitted program): call it outside ``jax.jit``.
   """
-  from eagle3jax import model_kinds  # pylint: disable=import-outside-toplevel
   model_kinds.require_target("forward's target", target)
   capture = as_capture_spec(capture)
   if capture is not None:

@@ -15,6 +15,8 @@ from eagle3jax import checks
 from eagle3jax.rope import RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Fields only an EAGLE-3 drafter's config.json has (a target's never does).
+DRAFTER_CONFIG_FIELDS = frozenset({"draft_vocab_size", "target_hidden_size", "eagle_config"})
 
 # Fields of Hugging Face configs that do not change the forward pass.
 _IGNORED_HF_FIELDS = frozenset({
@@ -117,8 +119,7 @@ class LlamaConfig:
       raise ValueError(f"config field model_type={model_type!r} is not supported by the "
                        f"Llama-family target; supported: {SUPPORTED_MODEL_TYPES}")
     unknown = sorted(k for k in hf if k not in _IGNORED_HF_FIELDS and not k.startswith("_"))
-    drafter_fields = sorted(set(unknown) & {"draft_vocab_size", "target_hidden_size",
-                                            "eagle_config"})
+    drafter_fields = sorted(set(unknown) & DRAFTER_CONFIG_FIELDS)
     if drafter_fields:
       raise ValueError(f"this config.json looks like an EAGLE-3 drafter's (fields "
                        f"{drafter_fields}), not a target's: pass it as the drafter "

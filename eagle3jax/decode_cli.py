@@ -105,8 +105,8 @@ def _run(args) -> int:
   if args.draft_tokens is None:
     # 8, or every node a smaller tree has (--steps 2 --topk 2 has 7); an invalid --steps or
     # --topk is left to the tree's own check, which names it.
-    most = 1 + args.topk + (args.steps - 1) * args.topk ** 2 if args.topk >= 1 else 8
-    draft_tokens = max(2, min(8, most))
+    from eagle3jax.tree import max_draft_tokens  # pylint: disable=import-outside-toplevel
+    draft_tokens = max(2, min(8, max_draft_tokens(args.steps, args.topk)))
   else:
     draft_tokens = args.draft_tokens
   if args.topk == 1 and args.draft_tokens not in (None, args.steps + 1) and main:

@@ -438,9 +438,9 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
       (``eagle3jax.capture_contract``), after the drafter's loaded record, if any, is checked
       against it (a record is never replaced by one that vouches for another target or
       capture), and a drafter without a record loaded with ``verify_capture=False`` is
-      refused (nothing checked the capture such a record would vouch for). Without it the loaded record, if any, is
-      written again (its ``acceptance`` merged); a record whose capture is not the config's is
-      refused.
+      refused (nothing checked the capture such a record would vouch for). Without it the
+      loaded record, if any, is written again (its ``acceptance`` merged); a record whose
+      capture is not the config's is refused.
     calibration_ids: token ids the record's features are taken at (default: seeded ids of the
       draft vocabulary; ``train_drafter`` passes training tokens).
     acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.

@@ -25,6 +25,12 @@ from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows
 
 
+def max_draft_tokens(num_steps: int, topk: int) -> int:
+  """The most tokens a tree of ``num_steps`` levels and ``topk`` branching can verify, root
+  included: ``1 + topk + (num_steps - 1) * topk**2`` (its candidate pool plus the root)."""
+  return 1 + topk + (num_steps - 1) * topk * topk
+
+
 @dataclasses.dataclass(frozen=True)
 class TreeShape:
   """Static tree settings: ``num_steps`` drafted levels, ``topk`` branching, and the number of
@@ -48,7 +54,7 @@ class TreeShape:
 
   @property
   def pool_size(self) -> int:
-    return self.topk + (self.num_steps - 1) * self.topk * self.topk
+    return max_draft_tokens(self.num_steps, self.topk) - 1
 
   @property
   def pool_levels(self) -> np.ndarray:

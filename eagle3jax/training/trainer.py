@@ -45,6 +45,7 @@ from eagle3jax import checks, model_kinds, monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
+from eagle3jax.config import DRAFTER_CONFIG_FIELDS
 from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import HEAD_INITS, check_savable, init_drafter, save_drafter
 from eagle3jax.generate import check_prompts
@@ -544,7 +545,7 @@ def _check_out_dir(out_dir: str) -> None:
       cfg = json.load(f)
   except (OSError, ValueError):
     cfg = None
-  if not (isinstance(cfg, dict) and ("draft_vocab_size" in cfg or "eagle_config" in cfg)):
+  if not (isinstance(cfg, dict) and DRAFTER_CONFIG_FIELDS & set(cfg)):
     raise ValueError(f"out_dir {out_dir!r} holds {path}, which is not an EAGLE-3 drafter's "
                      "(a target's, perhaps): exporting there would overwrite that model. Give "
                      "another out_dir")
