@@ -74,6 +74,18 @@ def int_fields(obj, names, minimum: int, prefix: str) -> None:
     object.__setattr__(obj, name, int(_scalar(value)))
 
 
+def hf_number(hf, key: str, default, kind=float, where: str = "config field"):
+  """A numeric ``config.json`` field: ``default`` when absent; a ``ValueError`` naming it when
+  it is null or not a number (``float(None)`` would fail deep in a loader otherwise)."""
+  if key not in hf:
+    return default
+  value = hf[key]
+  if not (is_integer(value) if kind is int else is_real(value)):
+    raise ValueError(f"{where}{'' if where.endswith('.') else ' '}{key}={value!r} must be {'an integer' if kind is int else 'a number'}"
+                     f" (or absent, for {default})")
+  return kind(_scalar(value))
+
+
 def token_ids(field: str, ids, vocab_size: int) -> tuple[int, ...]:
   """Token ids (e.g. a config's EOS ids) as a tuple of ints in ``[0, vocab_size)``."""
   bad = [i for i in ids if not is_integer(i) or not 0 <= _scalar(i) < vocab_size]

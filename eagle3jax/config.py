@@ -12,9 +12,12 @@ import functools
 from typing import Any, Mapping
 
 from eagle3jax import checks
-from eagle3jax.rope import RopeConfig
+from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# transformers' head_dim when a config.json leaves it out (Qwen3Config's default is 128, not
+# hidden_size // num_attention_heads as for Llama and Qwen2).
+_DEFAULT_HEAD_DIM = {"qwen3": 128}
 # Fields only an EAGLE-3 drafter's config.json has (a target's never does).
 DRAFTER_CONFIG_FIELDS = frozenset({"draft_vocab_size", "target_hidden_size", "eagle_config"})
 
@@ -95,6 +98,10 @@ class LlamaConfig:
     if self.model_type not in SUPPORTED_MODEL_TYPES:
       raise ValueError(f"config field model_type={self.model_type!r} is not supported; "
                        f"supported: {SUPPORTED_MODEL_TYPES}")
+    if self.rope.rope_type not in LLAMA_ROPE_TYPES:
+      raise ValueError(f"config field rope.rope_type={self.rope.rope_type!r} is not supported "
+                       f"by Llama-family targets (they implement {LLAMA_ROPE_TYPES}; YaRN's "
+                       "attention factor is implemented for DeepSeek-V3/Kimi-K2 only)")
 
   @functools.cached_property
   def resolved_head_dim(self) -> int:
@@ -152,11 +159,13 @@ class LlamaConfig:
         intermediate_size=hf["intermediate_size"],
         num_hidden_layers=hf["num_hidden_layers"],
         num_attention_heads=hf["num_attention_heads"],
-        num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        head_dim=hf.get("head_dim"),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_key_value_heads=(hf["num_attention_heads"] if hf.get("num_key_value_heads") is None
+                             else hf["num_key_value_heads"]),
+        head_dim=(_DEFAULT_HEAD_DIM.get(model_type) if hf.get("head_dim") is None
+                  else hf["head_dim"]),
+        rms_norm_eps=checks.hf_number(hf, "rms_norm_eps", 1e-6),
         rope=RopeConfig.from_hf(hf),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 8192)),
+        max_position_embeddings=checks.hf_number(hf, "max_position_embeddings", 8192, int),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or model_type == "qwen2",
         o_bias=attention_bias and model_type != "qwen2",

@@ -28,7 +28,7 @@ from eagle3jax import kv_cache as kv_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.layers import RMSNorm, einsum, merge_heads, param
 from eagle3jax.llama import ACT, LlamaMLP, kv_head_replication
-from eagle3jax.rope import RopeConfig, apply_rope
+from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig, apply_rope
 from eagle3jax.sharding import (BATCH, CAPTURE, EMBED, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
                                 out_spec, shard)
 
@@ -83,6 +83,11 @@ class DrafterConfig:
     if self.draft_vocab_size > self.vocab_size:
       raise ValueError(f"drafter config draft_vocab_size={self.draft_vocab_size} exceeds "
                        f"vocab_size={self.vocab_size}")
+    if self.rope.rope_type not in LLAMA_ROPE_TYPES:
+      raise ValueError(f"drafter config field rope.rope_type={self.rope.rope_type!r} is not "
+                       f"supported: the drafter is a Llama layer and implements "
+                       f"{LLAMA_ROPE_TYPES} (no YaRN attention factor), as the public EAGLE-3 "
+                       "drafter layout other engines load")
     if not isinstance(self.capture, CaptureSpec):
       raise ValueError("drafter config capture must be a CaptureSpec")
 

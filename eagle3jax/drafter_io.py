@@ -32,7 +32,7 @@ from eagle3jax.distributed import barrier, is_main_process, to_host
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.hf_target import read_config
 from eagle3jax.params import materialize, random_fill
-from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig
+from eagle3jax.rope import RopeConfig
 from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR
 
@@ -96,10 +96,13 @@ def config_from_hf(hf: dict, capture: CaptureSpec) -> DrafterConfig:
   return DrafterConfig(
       hidden_size=hf["hidden_size"], intermediate_size=hf["intermediate_size"],
       num_attention_heads=hf["num_attention_heads"],
-      num_key_value_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-      head_dim=hf.get("head_dim"), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      num_key_value_heads=(hf["num_attention_heads"] if hf.get("num_key_value_heads") is None
+                           else hf["num_key_value_heads"]),
+      head_dim=hf.get("head_dim"),
+      rms_norm_eps=checks.hf_number(hf, "rms_norm_eps", 1e-6, where="drafter config field"),
       rope=RopeConfig.from_hf(rope_hf, default_theta=10000.0),
-      max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+      max_position_embeddings=checks.hf_number(hf, "max_position_embeddings", 2048, int,
+                                               where="drafter config field"),
       vocab_size=hf["vocab_size"],
       draft_vocab_size=(hf["vocab_size"] if hf.get("draft_vocab_size") is None
                         else hf["draft_vocab_size"]),
@@ -408,15 +411,6 @@ def _host(x) -> np.ndarray:
   return to_host(x)
 
 
-def check_savable(cfg: DrafterConfig) -> None:
-  """Raises ``ValueError`` for a drafter config the public layout cannot hold (``save_drafter``
-  checks it; ``train_drafter`` before it trains)."""
-  if cfg.rope.rope_type not in LLAMA_ROPE_TYPES:
-    raise ValueError(f"drafter rope type {cfg.rope.rope_type!r} cannot be saved: the public "
-                     f"Llama EAGLE-3 drafter layout supports {LLAMA_ROPE_TYPES} (it has no "
-                     "YaRN attention factor), so no engine would load it back as trained")
-
-
 def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
                  target=None, calibration_ids=None, acceptance: dict | None = None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout, and the
@@ -451,7 +445,6 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   for k, v in (acceptance or {}).items():  # on every process, before anything is written
     contract.check_acceptance(k, v)
   cfg = drafter.config
-  check_savable(cfg)
   record = getattr(drafter, "capture_record", None)
   if target is None and record is not None and record.capture != cfg.capture.layer_ids:
     raise ValueError(
@@ -528,11 +521,7 @@ def _hf_config(drafter: Eagle3Drafter) -> dict:
       "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.feature_size,
       "tie_word_embeddings": False, "torch_dtype": str(np.dtype(drafter.dtype)),
       "rope_theta": cfg.rope.theta,
-      "rope_scaling": None if cfg.rope.rope_type == "default" else {
-          "rope_type": cfg.rope.rope_type, "factor": cfg.rope.factor,
-          "low_freq_factor": cfg.rope.low_freq_factor,
-          "high_freq_factor": cfg.rope.high_freq_factor,
-          "original_max_position_embeddings": cfg.rope.original_max_position_embeddings},
+      "rope_scaling": cfg.rope.to_hf(),
       "eagle_config": {IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
                        "aux_layer_convention": "output"},
   }

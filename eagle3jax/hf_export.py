@@ -27,9 +27,37 @@ def _unreplicate(value: np.ndarray, axes, kv_repeat: int) -> np.ndarray:
   return value[tuple(index)]
 
 
+# What each model type's Hugging Face layout can say about the attention's extras.
+_HF_ATTENTION = {
+    "llama": "q/k/v and o biases together (attention_bias) and no q/k norms",
+    "qwen2": "q/k/v biases, no o bias and no q/k norms",
+    "qwen3": "q/k/v and o biases together (attention_bias), and q/k norms",
+}
+
+
+def check_savable(cfg) -> None:
+  """Raises ``ValueError`` for a target config whose model type's Hugging Face layout cannot
+  express its attention (``LlamaConfig`` accepts any combination, for research models):
+  written anyway, transformers would load another model, or eagle3jax refuse the file."""
+  want = {"llama": (cfg.o_bias, cfg.o_bias, False), "qwen2": (True, False, False),
+          "qwen3": (cfg.o_bias, cfg.o_bias, True)}[cfg.model_type]
+  if (cfg.qkv_bias, cfg.o_bias, cfg.qk_norm) != want:
+    raise ValueError(
+        f"save_target: a model_type={cfg.model_type!r} checkpoint has "
+        f"{_HF_ATTENTION[cfg.model_type]}, but this config has qkv_bias={cfg.qkv_bias}, "
+        f"o_bias={cfg.o_bias}, qk_norm={cfg.qk_norm}: no Hugging Face layout would load it "
+        "as this model; change model_type or those fields")
+
+
 def save_target(target, path: str, *, dtype=ml_dtypes.bfloat16, extra_config=None) -> None:
-  """Saves ``target`` (a ``LlamaForCausalLM``) as a Hugging Face checkpoint directory."""
+  """Saves ``target`` (a ``LlamaForCausalLM``) as a Hugging Face checkpoint directory.
+
+  Raises:
+    ValueError: the config's attention extras do not fit its model type's layout
+      (``check_savable``).
+  """
   cfg = target.config
+  check_savable(cfg)
   os.makedirs(path, exist_ok=True)
   table = llama_table(cfg)
   tensors = {}
@@ -60,10 +88,7 @@ def save_target(target, path: str, *, dtype=ml_dtypes.bfloat16, extra_config=Non
       "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
       "max_position_embeddings": cfg.max_position_embeddings,
       "tie_word_embeddings": cfg.tie_word_embeddings, "rope_theta": rope.theta,
-      "rope_scaling": None if rope.rope_type == "default" else {
-          "rope_type": rope.rope_type, "factor": rope.factor,
-          "low_freq_factor": rope.low_freq_factor, "high_freq_factor": rope.high_freq_factor,
-          "original_max_position_embeddings": rope.original_max_position_embeddings},
+      "rope_scaling": rope.to_hf(),
       "attention_bias": cfg.o_bias, "mlp_bias": False,
       "eos_token_id": list(cfg.eos_token_ids) if len(cfg.eos_token_ids) != 1
                       else cfg.eos_token_ids[0],

@@ -28,6 +28,7 @@ import re
 
 import jax.numpy as jnp
 import ml_dtypes
+import numpy as np
 from jax.sharding import Mesh
 
 from eagle3jax import checks
@@ -236,8 +237,21 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
     kinds = sorted({n.split(".")[0] for n in towers})
     log.info("target %s: skipped %d tensors outside the language model (%s)", path,
              len(towers), ", ".join(f"{k}.*" for k in kinds))
-  if cfg.tie_word_embeddings:
-    extra = [n for n in extra if n != prefix + "lm_head.weight"]  # tied copies are harmless
+  head = prefix + "lm_head.weight"
+  if cfg.tie_word_embeddings and head in extra:
+    # A tied copy is harmless. A different head is not: transformers versions disagree on
+    # which of the two they use, so refuse rather than pick one.
+    extra.remove(head)
+    stored = np.asarray(read("lm_head.weight"), np.float32)
+    embed = np.asarray(read("model.embed_tokens.weight"), np.float32)
+    if stored.shape != embed.shape or not np.array_equal(stored, embed):
+      raise ValueError(
+          f"checkpoint {path!r}: config.json says tie_word_embeddings=true, but its "
+          f"{head!r} differs from the token embedding "
+          + (f"(shape {stored.shape} against {embed.shape})" if stored.shape != embed.shape
+             else f"(max |difference| {float(np.max(np.abs(stored - embed))):.3g})")
+          + ": set tie_word_embeddings to false to use the stored head, or drop "
+          "lm_head.weight to tie it")
   beyond = sorted({int(m.group(1)) for m in (_LAYER.match(n[len(prefix):]) for n in extra)
                    if m is not None and int(m.group(1)) >= cfg.num_hidden_layers})
   if beyond:

@@ -17,12 +17,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax import checks
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # What ``from_hf`` accepts unless the caller allows more (Llama-family models do not apply
 # YaRN's attention factor, so they do not accept ``yarn``).
 LLAMA_ROPE_TYPES = ("default", "linear", "llama3")
 _LLAMA_KEYS = frozenset({"factor", "low_freq_factor", "high_freq_factor",
                          "original_max_position_embeddings"})
+# What transformers requires of each scaled type (``yarn`` derives a missing factor below).
+_REQUIRED_KEYS = {"linear": ("factor",),
+                  "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                             "original_max_position_embeddings")}
 _YARN_KEYS = frozenset({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
                         "mscale", "mscale_all_dim", "attention_factor", "truncate"})
 
@@ -110,6 +116,14 @@ class RopeConfig:
     kwargs = {k: params[k] for k in known if k in params}
     if rope_type == "default":
       kwargs.pop("factor", None)
+    missing = [k for k in _REQUIRED_KEYS.get(rope_type, ()) if kwargs.get(k) is None]
+    if missing:  # transformers refuses these too; the dataclass defaults are not the model's
+      raise ValueError(f"config field {where} is missing {missing} for rope type "
+                       f"{rope_type!r}")
+    for key in _REQUIRED_KEYS.get(rope_type, ()):
+      kwargs[key] = checks.hf_number(kwargs, key, None,
+                                     int if key == "original_max_position_embeddings"
+                                     else float, where=f"config field {where}.")
     if rope_type == "yarn":
       if kwargs.get("factor") is None:  # transformers: the context-extension ratio
         orig = kwargs.get("original_max_position_embeddings")
@@ -130,7 +144,21 @@ class RopeConfig:
           kwargs[key] = float(kwargs[key])
       kwargs["original_max_position_embeddings"] = int(kwargs["original_max_position_embeddings"])
       kwargs["truncate"] = bool(kwargs.get("truncate", True))
+    if not checks.is_real(theta):
+      raise ValueError(f"config field rope_theta={theta!r} must be a number (or absent, for "
+                       f"{default_theta})")
     return cls(theta=float(theta), rope_type=rope_type, **kwargs)
+
+  def to_hf(self) -> dict | None:
+    """The ``rope_scaling`` entry of a Llama-layout ``config.json`` (None for ``default``):
+    the keys transformers reads for this type, which ``from_hf`` reads back."""
+    if self.rope_type == "default":
+      return None
+    if self.rope_type not in _REQUIRED_KEYS:
+      raise ValueError(f"rope type {self.rope_type!r} has no Llama-layout rope_scaling; "
+                       f"the Llama layout holds {LLAMA_ROPE_TYPES}")
+    return {"rope_type": self.rope_type,
+            **{k: getattr(self, k) for k in _REQUIRED_KEYS[self.rope_type]}}
 
   def inv_frequencies(self, rotary_dim: int) -> np.ndarray:
     """Inverse frequencies ``[rotary_dim // 2]`` (float64 numpy, cast at use)."""

@@ -64,6 +64,11 @@ def validate_inputs(q, k, v, lengths, tree_mask) -> None:
                      f"v {v.dtype}")
   b, p, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
+  empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
+  if empty or s == 0:
+    raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
+                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   if tuple(v.shape) != tuple(k.shape):
     raise ValueError(f"v must have the shape of k {tuple(k.shape)} [B, S, K, H], got "
                      f"{tuple(v.shape)}")
@@ -117,6 +122,11 @@ def tree_attention_reference(q, k, v, lengths, tree_mask, *, sm_scale=None):
 def _reference(q, k, v, lengths, tree_mask, *, sm_scale):
   b, p, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
+  empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
+  if empty or s == 0:
+    raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
+                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, s - p)
   rel = jnp.arange(s, dtype=jnp.int32)[None, :] - lengths[:, None]       # [B, S] tree index
   idx = jnp.broadcast_to(jnp.clip(rel, 0, p - 1)[:, None, :], (b, p, s))
@@ -251,6 +261,11 @@ def _tree_attention(q, k, v, lengths, tree_mask, *, sm_scale, interpret, block_s
                     num_splits, num_warps, num_stages):
   b, p, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
+  empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
+  if empty or s == 0:
+    raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
+                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   g = n // kv_heads
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, s - p)
 

@@ -478,15 +478,6 @@ def test_target_nan_weight_and_truncated_file_are_named(target, tmp_path):
     eagle3jax.load_target(path)
 
 
-def test_yarn_drafter_is_refused_at_save(target, tmp_path):
-  cfg = eagle3jax.DrafterConfig.for_target(
-      target.config, TRAINED, rope=eagle3jax.RopeConfig(
-          theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=64))
-  dr = eagle3jax.init_drafter(cfg, target=target)
-  with pytest.raises(ValueError, match="rope type 'yarn' cannot be saved"):
-    eagle3jax.save_drafter(dr, str(tmp_path / "y"))
-
-
 def test_drafter_on_another_mesh_gets_a_clear_message(saved, target):
   other = eagle3jax.make_mesh(2, 4)
   with pytest.raises(ValueError, match="not the target's mesh"):

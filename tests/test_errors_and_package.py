@@ -120,6 +120,60 @@ def test_config_refuses_what_it_does_not_implement():
     eagle3jax.LlamaConfig.from_hf({**base, "draft_vocab_size": 4, "target_hidden_size": 8})
 
 
+def test_config_nulls_and_partial_rope_scaling_are_named():
+  """Nulls gave raw TypeErrors from float()/int(); a llama3 or linear rope_scaling without its
+  factors was filled with the dataclass's defaults (transformers refuses it); a zero
+  num_key_value_heads read as multi-head attention."""
+  base = {"model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+          "num_hidden_layers": 1, "num_attention_heads": 2}
+  for key in ("rms_norm_eps", "max_position_embeddings", "rope_theta"):
+    with pytest.raises(ValueError, match=rf"config field {key}=None must be"):
+      eagle3jax.LlamaConfig.from_hf({**base, key: None})
+  with pytest.raises(ValueError, match=r"num_key_value_heads=0 must be a positive integer"):
+    eagle3jax.LlamaConfig.from_hf({**base, "num_key_value_heads": 0})
+  assert eagle3jax.LlamaConfig.from_hf({**base, "num_key_value_heads": None}) \
+      .num_key_value_heads == 2  # null: multi-head attention, as transformers
+  with pytest.raises(ValueError, match=r"rope_scaling is missing \['factor', 'low_freq_factor', "
+                                       r"'high_freq_factor', 'original_max_position_embeddings'\]"
+                                       r" for rope type 'llama3'"):
+    eagle3jax.LlamaConfig.from_hf({**base, "rope_scaling": {"rope_type": "llama3"}})
+  with pytest.raises(ValueError, match=r"rope_scaling is missing \['factor'\] for rope type "
+                                       r"'linear'"):
+    eagle3jax.LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear"}})
+  with pytest.raises(ValueError, match=r"rope_scaling.factor='2' must be a number"):
+    eagle3jax.LlamaConfig.from_hf({**base, "rope_scaling": {"type": "linear", "factor": "2"}})
+  # Qwen3Config's head_dim defaults to 128 in transformers, not hidden_size // heads.
+  assert eagle3jax.LlamaConfig.from_hf({**base, "model_type": "qwen3"}).resolved_head_dim == 128
+  assert eagle3jax.LlamaConfig.from_hf({**base, "model_type": "qwen2"}).resolved_head_dim == 4
+  # The drafter's config.json reads the same way.
+  from eagle3jax.drafter_io import config_from_hf
+  drafter = {"hidden_size": 8, "intermediate_size": 8, "num_attention_heads": 2,
+             "vocab_size": 10, "draft_vocab_size": 4}
+  spec = eagle3jax.CaptureSpec((0, 1, 2))
+  config_from_hf(drafter, spec)
+  for key in ("rms_norm_eps", "max_position_embeddings", "rope_theta"):
+    with pytest.raises(ValueError, match=rf"{key}=None must be"):
+      config_from_hf({**drafter, key: None}, spec)
+  with pytest.raises(ValueError, match=r"num_key_value_heads=0 must be a positive integer"):
+    config_from_hf({**drafter, "num_key_value_heads": 0}, spec)
+  with pytest.raises(ValueError, match=r"missing \['factor'"):
+    config_from_hf({**drafter, "rope_scaling": {"rope_type": "llama3"}}, spec)
+
+
+def test_yarn_is_refused_where_the_llama_forward_would_ignore_its_attention_factor():
+  """A LlamaConfig or DrafterConfig with YaRN rope built a model that skipped YaRN's attention
+  factor (0.89 off transformers' logits), and save_target wrote a config load_target refuses."""
+  yarn = eagle3jax.RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0,
+                              original_max_position_embeddings=64)
+  with pytest.raises(ValueError, match=r"rope.rope_type='yarn' is not supported by "
+                                       r"Llama-family targets"):
+    eagle3jax.LlamaConfig.tiny(rope=yarn)
+  target_cfg = eagle3jax.LlamaConfig.tiny()
+  with pytest.raises(ValueError, match=r"drafter config field rope.rope_type='yarn' is not "
+                                       r"supported"):
+    eagle3jax.DrafterConfig.for_target(target_cfg, eagle3jax.CaptureSpec((0, 2, 4)), rope=yarn)
+
+
 # --- load_target ---
 
 @pytest.fixture()
@@ -170,6 +224,42 @@ def test_unexpected_weight_is_named(checkpoint):
                                                     np.zeros(3, np.float32)))
   with pytest.raises(ValueError, match="unexpected weights.*model.layers.0.extra.weight"):
     eagle3jax.load_target(str(checkpoint))
+
+
+def test_tied_checkpoint_with_a_different_head_is_refused(tmp_path):
+  """A tied config beside a stored lm_head.weight that differs from the embedding: the head
+  was dropped silently (24 off transformers 5's logits, which use the stored head)."""
+  hf_models.make_checkpoint(str(tmp_path), "llama", tied=True, layers=2)
+  _edit_weights(tmp_path, lambda t: t.__setitem__(
+      "lm_head.weight", np.array(t["model.embed_tokens.weight"])))
+  eagle3jax.load_target(str(tmp_path))  # an equal copy is harmless
+  _edit_weights(tmp_path, lambda t: t.__setitem__(
+      "lm_head.weight", t["model.embed_tokens.weight"] + np.float32(0.5)))
+  with pytest.raises(ValueError, match=r"tie_word_embeddings=true, but its 'lm_head.weight' "
+                                       r"differs from the token embedding \(max \|difference\| "
+                                       r"0.5\): set tie_word_embeddings to false"):
+    eagle3jax.load_target(str(tmp_path))
+
+
+def test_save_target_refuses_what_its_layout_cannot_hold(tmp_path):
+  """q/k norms on a model_type 'llama' config were written, then refused by load_target and
+  ignored by transformers (1.42 off); a q/k/v bias without the o bias likewise."""
+  from eagle3jax.hf_export import save_target
+  for fields, have in (({"qk_norm": True}, "qk_norm=True"),
+                       ({"qkv_bias": True}, "qkv_bias=True, o_bias=False"),
+                       ({"model_type": "qwen2"}, "qkv_bias=False")):
+    target = eagle3jax.init_target(eagle3jax.LlamaConfig.tiny(num_hidden_layers=1, **fields))
+    with pytest.raises(ValueError, match=rf"save_target: a model_type='\w+' checkpoint has .*"
+                                         rf"{have}"):
+      save_target(target, str(tmp_path / "t"))
+    assert not (tmp_path / "t").exists()
+  # A linear rope is written with the keys transformers reads for it, and loads back.
+  rope = eagle3jax.RopeConfig(theta=5000.0, rope_type="linear", factor=2.0)
+  cfg = eagle3jax.LlamaConfig.tiny(num_hidden_layers=1, rope=rope)
+  save_target(eagle3jax.init_target(cfg), str(tmp_path / "linear"))
+  with open(tmp_path / "linear" / "config.json") as f:
+    assert json.load(f)["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+  assert eagle3jax.load_target(str(tmp_path / "linear")).config.rope == rope
 
 
 def test_wrong_shape_is_named(checkpoint):

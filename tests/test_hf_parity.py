@@ -55,3 +55,30 @@ def test_sharded_checkpoint_index(tmp_path):
   a = eagle3jax.forward(eagle3jax.load_target(str(tmp_path / "one"), dtype=jnp.float32), ids)
   b = eagle3jax.forward(eagle3jax.load_target(str(tmp_path / "many"), dtype=jnp.float32), ids)
   np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(b.logits))
+
+
+def test_qwen3_without_head_dim_uses_transformers_default(tmp_path):
+  """Qwen3Config's head_dim defaults to 128; a config.json without it was read as
+  hidden_size // num_attention_heads and refused with a k_norm shape error."""
+  import json
+  import torch
+  import transformers
+  torch.manual_seed(0)
+  cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=48, intermediate_size=80,
+                                 num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, max_position_embeddings=256)
+  assert cfg.head_dim == 128
+  model = transformers.Qwen3ForCausalLM(cfg).eval()
+  model.save_pretrained(str(tmp_path), safe_serialization=True)
+  with open(tmp_path / "config.json") as f:
+    hf = json.load(f)
+  hf.pop("head_dim")
+  with open(tmp_path / "config.json", "w") as f:
+    json.dump(hf, f)
+  ids = np.arange(11)[None] % 97
+  with torch.no_grad():
+    ref = model(torch.as_tensor(ids)).logits.numpy()
+  target = eagle3jax.load_target(str(tmp_path), dtype=jnp.float32)
+  assert target.config.resolved_head_dim == 128
+  np.testing.assert_allclose(np.asarray(eagle3jax.forward(target, ids).logits), ref,
+                             atol=1e-4, rtol=0)

@@ -480,7 +480,7 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
           r"128 after it, past the target's max_position_embeddings=512",
           heldout_prompts=[[5] * 400])
   refused(r"heldout_prompts\[0\] holds booleans", heldout_prompts=[[True, 5, 6]])
-  refused(r"drafter rope type 'yarn' cannot be saved",
+  refused(r"drafter config field rope.rope_type='yarn' is not supported",
           drafter_overrides={"rope": RopeConfig(rope_type="yarn", factor=2.0,
                                                 original_max_position_embeddings=256)})
   refused(r"every prompt has at least seq_len=32 tokens", prompts=[[5] * 32, [6] * 40])

@@ -220,6 +220,23 @@ def test_validation_names_the_argument(name, value, message):
     validate_inputs(**inputs)
 
 
+@pytest.mark.parametrize("shape, message", [
+    ((0, 3, 4, 16), "B=0"), ((2, 0, 4, 16), "P=0"), ((2, 3, 0, 16), "N=0"),
+    ((2, 3, 4, 0), "H=0")])
+def test_validation_refuses_empty_dimensions(shape, message):
+  """Empty batches or trees divided by zero in the kernel's split count (the reference
+  returned an empty array), and H=0 in the default scale of both."""
+  inputs = _good()
+  inputs["q"] = _spec(shape)
+  b, _, _, h = shape
+  inputs["k"] = inputs["v"] = _spec((b, 10, 2 if shape[2] else 1, h))
+  inputs["lengths"] = _spec((b,), jnp.int32)
+  inputs["tree_mask"] = _spec((b, shape[1], shape[1]), jnp.bool_)
+  for fn in (tree_attention, tree_attention_reference):
+    with pytest.raises(ValueError, match=f"need non-empty dimensions; got {message}"):
+      jax.eval_shape(lambda: fn(**inputs))
+
+
 def test_validation_cache_smaller_than_tree():
   inputs = _good()
   inputs["k"] = inputs["v"] = _spec((2, 2, 2, 16))

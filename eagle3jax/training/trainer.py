@@ -47,7 +47,7 @@ from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.config import DRAFTER_CONFIG_FIELDS
 from eagle3jax.drafter import DrafterConfig
-from eagle3jax.drafter_io import HEAD_INITS, check_savable, init_drafter, save_drafter
+from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
 from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.tree import TreeShape
@@ -612,9 +612,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   draft_vocab_size = config.resolved_draft_vocab_size(target.config.vocab_size)
-  check_savable(DrafterConfig.for_target(target.config, capture,
-                                         draft_vocab_size=draft_vocab_size,
-                                         **(drafter_overrides or {})))
+  DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
+                           **(drafter_overrides or {}))  # refuses bad overrides up front
   _check_out_dir(out_dir)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
   progress = progress and distributed.is_main_process()
