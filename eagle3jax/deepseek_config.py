@@ -21,6 +21,9 @@ DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 # Fields read by ``from_hf`` or that do not change the forward pass (training-only losses,
 # expert-parallel size, multi-token-prediction heads, derived sizes, quantisation (the
 # loader's business)).
+# Routing fields whose defaults differ: (DeepSeek's remote code, transformers' DeepseekV3Config).
+_ROUTING_DEFAULTS = {"norm_topk_prob": (False, True), "routed_scaling_factor": (1.0, 2.5),
+                     "n_group": (None, 8), "topk_group": (None, 4)}
 _KNOWN_HF_FIELDS = _IGNORED_HF_FIELDS | frozenset({
     "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "qk_head_dim", "n_routed_experts", "n_shared_experts",
@@ -172,9 +175,9 @@ class DeepseekConfig:
     if unknown:
       raise ValueError(f"config.json has fields eagle3jax does not implement: {unknown}. "
                        "Remove them if they are harmless, or use a supported model.")
-    checks = [("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
-              ("moe_layer_freq", 1), ("attention_bias", False)]
-    for field, want in checks:
+    fixed = [("hidden_act", "silu"), ("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"),
+             ("moe_layer_freq", 1), ("attention_bias", False)]
+    for field, want in fixed:
       if field in hf and hf[field] != want:
         raise ValueError(f"config field {field}={hf[field]!r} is not supported (only "
                          f"{want!r})")
@@ -184,6 +187,17 @@ class DeepseekConfig:
                            "v_head_dim", "n_routed_experts", "num_experts_per_tok") if k not in hf]
     if missing:
       raise ValueError(f"config.json is missing required fields {missing}")
+    routing = [k for k in _ROUTING_DEFAULTS if k not in hf]
+    if routing:  # the weights cannot tell which default the model was trained with
+      raise ValueError(
+          f"config.json leaves out the routing fields {routing}, whose defaults differ "
+          "between DeepSeek's own code and transformers ("
+          + ", ".join(f"{k}: {a} against {b}" for k, (a, b) in _ROUTING_DEFAULTS.items()
+                      if k in routing)
+          + "); state them in config.json (the published configs do)")
+    if not isinstance(hf["norm_topk_prob"], bool):
+      raise ValueError(f"config field norm_topk_prob={hf['norm_topk_prob']!r} must be true or "
+                       "false")
     eos = hf.get("eos_token_id")
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     return cls(
@@ -198,13 +212,13 @@ class DeepseekConfig:
         num_experts_per_tok=hf["num_experts_per_tok"],
         n_shared_experts=int(hf.get("n_shared_experts") or 0),
         first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
-        routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=int(hf.get("n_group") or 1), topk_group=int(hf.get("topk_group") or 1),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        routed_scaling_factor=checks.hf_number(hf, "routed_scaling_factor", None),
+        n_group=hf["n_group"] or 1, topk_group=hf["topk_group"] or 1,  # null: one group
+        norm_topk_prob=bool(hf["norm_topk_prob"]),
+        rms_norm_eps=checks.hf_number(hf, "rms_norm_eps", 1e-6),
         rope=RopeConfig.from_hf(hf, rope_types=SUPPORTED_ROPE_TYPES),
         rope_interleave=bool(hf.get("rope_interleave", True)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+        max_position_embeddings=checks.hf_number(hf, "max_position_embeddings", 4096, int),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         model_type=model_type, eos_token_ids=tuple(int(e) for e in eos_ids))
 

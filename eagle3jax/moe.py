@@ -23,13 +23,17 @@ Expert compute, one SwiGLU per routed pair ``y += w * down(silu(x @ gate) * (x @
   so fewer than 2P rows are computed whatever the routing (tiles past the last expert's group
   are skipped by a ``lax.cond``: their matrices are not read);
 * ``"ragged"``: the same sorted pairs through ``jax.lax.ragged_dot`` (a real grouped matmul on
-  GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there).
+  GPU/TPU; XLA:CPU evaluates it densely over all groups, so ``auto`` never picks it there; it
+  takes plain matrices, so quantized experts are all dequantized first, and ``auto`` does not
+  pick it for them).
 
-``impl="auto"`` picks, on GPU/TPU, ``gather`` when the pairs are no more than the experts (each
-expert is read about once either way) and ``ragged`` otherwise; on CPU always ``tiles`` (with no
-more pairs than experts the tile is one row, so the loop reads exactly the chosen experts'
-matrices, and measured here it beats ``gather`` for 8 tokens at E = 16 and 256: XLA:CPU's
-gathers of whole matrices are slow).
+``impl="auto"`` picks, on GPU/TPU, ``gather`` for up to four pairs per local expert (decode and
+verify rounds; it reads at most 4x the weights a grouped kernel reads once, and the plan
+counts it exactly) and ``ragged`` beyond, or ``tiles`` for quantized experts (``ragged_dot``
+takes plain matrices, so it would dequantize the whole local stack on every call);
+``choose_impl``. On CPU always ``tiles`` (with no more pairs than experts the tile is one row,
+so the loop reads exactly the chosen experts' matrices, and measured here it beats ``gather``
+for 8 tokens at E = 16 and 256: XLA:CPU's gathers of whole matrices are slow).
 
 Expert parallelism (``routed_experts`` under a mesh): the expert stacks are sharded over the
 mesh axis their ``EXPERT`` dimension maps to (``tensor``), so each device holds ``E / n`` experts
@@ -235,20 +239,27 @@ def moe_reference(x: jax.Array, combine: jax.Array, experts: Experts, act_axes=N
   return ein("BTEF,EFD->BTD", h, full(experts.down), act_axes)
 
 
-def choose_impl(num_tokens: int, top_k: int, num_local_experts: int, impl: str = "auto") -> str:
-  """The expert-compute path for ``num_tokens`` tokens (see the module docstring)."""
+def choose_impl(num_tokens: int, top_k: int, num_local_experts: int, impl: str = "auto",
+                quantized: bool = False) -> str:
+  """The expert-compute path for ``num_tokens`` tokens (see the module docstring).
+
+  On GPU/TPU, and under ``as_accelerator`` (the plan), one rule: ``gather`` up to
+  ``_PLAN_GATHER_FACTOR`` pairs per local expert (decode and verify rounds); beyond,
+  ``ragged`` for plain expert stacks and ``tiles`` for ``quantized`` ones (``ragged_dot``
+  takes plain matrices, so it would dequantize every local expert on every call: 4 GB of
+  bfloat16 per Kimi-K2.5 layer on tensor=8). The plan runs ``tiles`` for ``ragged`` too
+  (XLA:CPU evaluates ``ragged_dot`` densely). On CPU, always ``tiles``.
+  """
   if impl not in IMPLS:
     raise ValueError(f"unknown MoE impl {impl!r}; choose one of {IMPLS}")
   if impl != "auto":
     return impl
-  accelerator = _BACKEND[-1] == "accelerator"
-  if jax.default_backend() == "cpu" and not accelerator:
+  cpu = jax.default_backend() == "cpu"
+  if cpu and _BACKEND[-1] != "accelerator":
     return "tiles"
-  if accelerator and num_tokens * top_k <= _PLAN_GATHER_FACTOR * num_local_experts:
+  if num_tokens * top_k <= _PLAN_GATHER_FACTOR * num_local_experts:
     return "gather"
-  if num_tokens * top_k <= num_local_experts:
-    return "gather"
-  return "tiles" if jax.default_backend() == "cpu" else "ragged"
+  return "tiles" if cpu or quantized else "ragged"
 
 
 def tile_size(num_pairs: int, num_local_experts: int) -> int:
@@ -352,7 +363,8 @@ def grouped(x: jax.Array, ids: jax.Array, weights: jax.Array, experts: Experts,
   """
   n, k = ids.shape
   e = _num_experts(experts.gate)
-  impl = choose_impl(n, k, e, impl)
+  impl = choose_impl(n, k, e, impl, quantized=isinstance(
+      experts.gate, (quant.QuantizedArrays, quant.QuantizedParam)))
   if impl == "gather":
     return _gather(x, ids, weights, experts)
   if impl == "tiles":

@@ -25,6 +25,9 @@ from eagle3jax.quant import FP8_BLOCK, INT4_GROUP, INT4_OFFSET, QuantScheme
 
 _FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 _BF16 = np.dtype(ml_dtypes.bfloat16)
+# What a weight stored unquantized may be (casts to the parameter dtype are exact or rounding).
+FLOAT_DTYPES = frozenset({_BF16, np.dtype(np.float16), np.dtype(np.float32),
+                          np.dtype(np.float64)})
 
 
 def _ceil(a: int, b: int) -> int:
@@ -65,19 +68,33 @@ def fp8_to_device(weight: np.ndarray, scale_inv: np.ndarray, scheme: QuantScheme
   return linear.to_ours(np.asarray(weight).view(np.uint8)), np.ascontiguousarray(scale)
 
 
-def int4_to_device(packed: np.ndarray, scale: np.ndarray, shape: np.ndarray,
-                   scheme: QuantScheme, linear: weights_lib.Linear, name: str = "weight"):
-  """(values uint8 ``[*in[:-1], in_last/2, *out]``, scale bf16 ``[*in[:-1], in_last/g, *out]``)."""
-  out, n_in = math.prod(linear.out_dims), math.prod(linear.in_dims)
-  if tuple(int(x) for x in np.asarray(shape).reshape(-1)) != (out, n_in):
-    raise ValueError(f"{name}_shape is {np.asarray(shape).tolist()}, expected {[out, n_in]} "
-                     "([out, in])")
+def check_int4(packed: np.ndarray, scale: np.ndarray, shape, group_size: int,
+               name: str = "weight", expected: tuple[int, int] | None = None) -> tuple[int, int]:
+  """``(out, in)`` of a pack-quantized weight whose arrays fit each other and ``expected``
+  (the model's ``[out, in]``, where known), or a ``ValueError`` naming the array: one check for
+  both load paths (``keep`` and ``dequantize``)."""
+  dims = tuple(int(x) for x in np.asarray(shape).reshape(-1))
+  if len(dims) != 2 or (expected is not None and dims != tuple(expected)):
+    raise ValueError(f"{name}_shape is {np.asarray(shape).tolist()}, expected "
+                     f"{list(expected) if expected is not None else '[out, in]'} ([out, in])")
+  out, n_in = dims
   if packed.dtype != np.int32 or tuple(packed.shape) != (out, _ceil(n_in, 8)):
     raise ValueError(f"{name}_packed is {packed.dtype} {tuple(packed.shape)}, expected int32 "
                      f"{(out, _ceil(n_in, 8))}")
-  want = (out, _ceil(n_in, scheme.group_size))
+  want = (out, _ceil(n_in, group_size))
   if tuple(scale.shape) != want:
-    raise ValueError(f"{name}_scale has shape {tuple(scale.shape)}, expected {want}")
+    raise ValueError(f"{name}_scale has shape {tuple(scale.shape)}, expected {want} (groups "
+                     f"of {group_size}, as quantization_config says)")
+  if np.dtype(scale.dtype) not in FLOAT_DTYPES:
+    raise ValueError(f"{name}_scale is {scale.dtype}, expected a float dtype")
+  return out, n_in
+
+
+def int4_to_device(packed: np.ndarray, scale: np.ndarray, shape: np.ndarray,
+                   scheme: QuantScheme, linear: weights_lib.Linear, name: str = "weight"):
+  """(values uint8 ``[*in[:-1], in_last/2, *out]``, scale bf16 ``[*in[:-1], in_last/g, *out]``)."""
+  out, n_in = check_int4(packed, scale, shape, scheme.group_size, name,
+                         (math.prod(linear.out_dims), math.prod(linear.in_dims)))
   if scale.dtype != _BF16:
     raise ValueError(f"{name}_scale is {scale.dtype}; INT4 scales are held as stored and "
                      "only bfloat16 is implemented (load with quantization='dequantize')")
@@ -99,15 +116,12 @@ def unpack_int4(packed: np.ndarray, n_in: int) -> np.ndarray:
   return (q[:, :n_in].astype(np.int8) - INT4_OFFSET).astype(np.int8)
 
 
-def dequantize_int4(packed: np.ndarray, scale: np.ndarray, shape, group_size: int
-                    ) -> np.ndarray:
+def dequantize_int4(packed: np.ndarray, scale: np.ndarray, shape, group_size: int,
+                    name: str = "weight") -> np.ndarray:
   """float32 ``[out, in]``: unpacked values times their group's scale."""
-  out, n_in = (int(x) for x in np.asarray(shape).reshape(-1))
+  out, n_in = check_int4(packed, scale, shape, group_size, name)
   q = unpack_int4(packed, n_in).astype(np.float32)
   s = np.repeat(np.asarray(scale, np.float32), group_size, axis=1)[:, :n_in]
-  if q.shape != (out, n_in) or s.shape != (out, n_in):
-    raise ValueError(f"INT4 weight: packed {tuple(packed.shape)} and scale "
-                     f"{tuple(scale.shape)} do not make a {(out, n_in)} weight")
   return q * s
 
 
@@ -144,7 +158,7 @@ def read_dequantized(tensors, name: str, qcfg, used: set) -> np.ndarray:
     return dequantize_int4(_get(tensors, module + ".weight_packed", used),
                            _get(tensors, module + ".weight_scale", used),
                            _get(tensors, module + ".weight_shape", used),
-                           qcfg.scheme.group_size)
+                           qcfg.scheme.group_size, module + ".weight")
   w = _get(tensors, name, used)
   if w.dtype == _FP8:
     if qcfg is None or qcfg.scheme.kind != FP8_BLOCK:
@@ -153,6 +167,10 @@ def read_dequantized(tensors, name: str, qcfg, used: set) -> np.ndarray:
     s = qcfg.scheme
     return dequantize_fp8(w, _get(tensors, name + "_scale_inv", used),
                           (s.block_out, s.group_size))
+  if np.dtype(w.dtype) not in FLOAT_DTYPES:
+    raise ValueError(f"tensor {name!r} is {w.dtype}: a weight held as stored must be one of "
+                     f"{sorted(str(d) for d in FLOAT_DTYPES)} (float8 e4m3 and packed INT4 "
+                     "need a quantization_config that says so)")
   return np.asarray(w)
 
 

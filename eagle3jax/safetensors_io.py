@@ -77,6 +77,9 @@ class SafetensorsFile:
   def names(self) -> list[str]:
     return list(self._header)
 
+  def __contains__(self, name: str) -> bool:
+    return name in self._header
+
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._header[name]["shape"])
 
@@ -116,6 +119,10 @@ class SafetensorsDir:
             raise ValueError(f"{index} names {fname} for weight {name!r}, but the file is "
                              "missing")
           self._files[fpath] = SafetensorsFile(fpath)
+        if name not in self._files[fpath]:
+          raise ValueError(f"{index} maps weight {name!r} to {fname}, but that file does not "
+                           "hold it (a stale or mismatched index; download the checkpoint "
+                           "again)")
         self._where[name] = fpath
     elif os.path.exists(single):
       self._files[single] = SafetensorsFile(single)

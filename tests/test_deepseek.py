@@ -404,6 +404,23 @@ def test_unsupported_config_values_are_refused(changes, field):
     DeepseekConfig.from_hf(_hf(**changes))
 
 
+def test_routing_fields_without_one_default_must_be_stated():
+  """Left out, norm_topk_prob, routed_scaling_factor and n_group/topk_group read as DeepSeek's
+  own code's defaults, while transformers reads others (0.8 off its logits)."""
+  for field in ("norm_topk_prob", "routed_scaling_factor", "n_group", "topk_group"):
+    hf = _hf()
+    hf.pop(field)
+    with pytest.raises(ValueError, match=rf"leaves out the routing fields \['{field}'\], whose "
+                                         r"defaults differ between DeepSeek's own code and "
+                                         r"transformers \(" + field):
+      DeepseekConfig.from_hf(hf)
+  assert DeepseekConfig.from_hf(_hf(n_group=None, topk_group=None)).n_group == 1
+  with pytest.raises(ValueError, match="routed_scaling_factor=None must be a number"):
+    DeepseekConfig.from_hf(_hf(routed_scaling_factor=None))
+  with pytest.raises(ValueError, match="norm_topk_prob=None must be true or false"):
+    DeepseekConfig.from_hf(_hf(norm_topk_prob=None))
+
+
 def test_unsupported_quantization_is_refused(tmp_path):
   dm.make_checkpoint(str(tmp_path))
   with open(tmp_path / "config.json") as f:

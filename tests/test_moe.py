@@ -221,6 +221,39 @@ def test_quantized_experts_equal_their_dequantized_reference(kind):
                                  err_msg=f"{impl} on (1, 8)")
 
 
+def test_accelerator_auto_never_dequantizes_the_whole_stack(monkeypatch):
+  """On a GPU, ``auto`` took ``ragged`` for calls over one pair per local expert, and
+  ``ragged_dot`` needs every local expert dequantized (Kimi-K2.5 on tensor=8: 48 experts, a
+  16-token verify round). The plan compiled ``gather`` for that call: GPU and plan now share
+  one rule, and quantized stacks take ``tiles`` where plain ones take ``ragged``."""
+  seen = []
+  real_choose = moe.choose_impl
+  monkeypatch.setattr(moe, "choose_impl", lambda *a, **kw: seen.append(kw) or real_choose(*a, **kw))
+  rng = np.random.default_rng(0)
+  qex = _quantized_experts(rng, 8, "int4_group")
+  x = jnp.ones((4, D), jnp.float32)
+  ids = jnp.zeros((4, 2), jnp.int32)
+  moe.grouped(x, ids, jnp.ones((4, 2)), qex)
+  assert seen[-1]["quantized"] is True
+  from eagle3jax import quant  # pylint: disable=import-outside-toplevel
+  moe.grouped(x, ids, jnp.ones((4, 2)), moe.Experts(*(quant.dequantize(w) for w in qex)))
+  assert seen[-1]["quantized"] is False
+  monkeypatch.undo()
+
+  def both(*args, **kw):  # the choice on a GPU and the plan's on fake CPU devices
+    with monkeypatch.context() as m:
+      m.setattr(jax, "default_backend", lambda: "gpu")
+      gpu = moe.choose_impl(*args, **kw)
+    with moe.as_accelerator():
+      plan = moe.choose_impl(*args, **kw)
+    return gpu, plan
+  assert both(16, 8, 48, quantized=True) == ("gather", "gather")  # verify round, 128 pairs
+  assert both(1, 8, 48, quantized=True) == ("gather", "gather")   # decode step
+  assert both(64, 8, 48, quantized=True) == ("tiles", "tiles")    # 512 pairs: prefill
+  assert both(64, 8, 48, quantized=False) == ("ragged", "tiles")  # plain: a grouped matmul
+  assert moe.choose_impl(64, 8, 48, quantized=True) == "tiles"    # on CPU
+
+
 # --- cost scales with top-k, not with E ---
 
 def _flops(fn, *args):

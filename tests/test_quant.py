@@ -322,6 +322,69 @@ def test_quantized_weight_stored_plain_is_refused(checkpoints, tmp_path):
     eagle3jax.load_target(str(tmp_path), dtype=jnp.float32)
 
 
+def _edited_copy(src, dst, edit, config_edit=None):
+  """``src``'s checkpoint in ``dst`` with ``edit(tensors)`` applied (numpy, as stored)."""
+  from eagle3jax.safetensors_io import SafetensorsFile
+  os.makedirs(dst)
+  st = SafetensorsFile(os.path.join(src, "model.safetensors"))
+  tensors = {n: np.array(st.get(n)) for n in st.names}
+  edit(tensors)
+  import safetensors.numpy
+  safetensors.numpy.save_file(tensors, os.path.join(dst, "model.safetensors"))
+  cfg = read_config(str(src))
+  if config_edit:
+    config_edit(cfg)
+  with open(os.path.join(dst, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  return str(dst)
+
+
+def test_dequantize_path_checks_int4_layouts_as_keep_does(checkpoints, tmp_path):
+  """``quantization="dequantize"`` sliced packed values and scales to the weight's shape, so a
+  scale of other groups (0.12 off) or packed bytes of another dtype (0.57 off) loaded."""
+  name = "language_model.model.layers.1.mlp.experts.0.up_proj.weight"
+
+  def regroup(t):  # scales in groups of 16 where the config says 32
+    t[name + "_scale"] = np.repeat(t[name + "_scale"], 2, axis=1)
+
+  def as_bytes(t):  # the same bits as uint8 [out, in / 2]
+    t[name + "_packed"] = np.ascontiguousarray(t[name + "_packed"]).view(np.uint8)
+  for edit, message in ((regroup, r"_scale has shape \(\d+, \d+\), expected \(\d+, \d+\) "
+                                  r"\(groups of 32"),
+                        (as_bytes, r"_packed is uint8 .*expected int32")):
+    path = _edited_copy(checkpoints / "int4", tmp_path / edit.__name__, edit)
+    for mode in ("keep", "dequantize"):
+      with pytest.raises(ValueError, match=re.escape(name) + message):
+        eagle3jax.load_target(path, dtype=jnp.float32, quantization=mode)
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.bool_, ml_dtypes.float8_e5m2, np.int64])
+def test_non_float_weights_are_refused(checkpoints, tmp_path, dtype):
+  """Integer, boolean and float8 e5m2 tensors were cast to float silently."""
+  name = "model.layers.1.mlp.gate.e_score_correction_bias"
+  path = _edited_copy(checkpoints / "f32", tmp_path / "c",
+                      lambda t: t.__setitem__(name, t[name].astype(dtype)))
+  with pytest.raises(ValueError, match=rf"tensor '{re.escape(name)}' is {np.dtype(dtype)}: a "
+                                       "weight held as stored must be one of"):
+    eagle3jax.load_target(path, dtype=jnp.float32)
+
+
+def test_index_naming_the_wrong_shard_is_named(checkpoints, tmp_path):
+  src = checkpoints / "f32"
+  os.makedirs(tmp_path / "c")
+  for f in ("model.safetensors", "config.json"):
+    os.symlink(src / f, tmp_path / "c" / f)
+  from eagle3jax.safetensors_io import SafetensorsFile
+  names = SafetensorsFile(str(src / "model.safetensors")).names
+  weight_map = {n: "model.safetensors" for n in names}
+  weight_map["model.layers.9.mlp.up_proj.weight"] = "model.safetensors"
+  with open(tmp_path / "c" / "model.safetensors.index.json", "w") as f:
+    json.dump({"weight_map": weight_map}, f)
+  with pytest.raises(ValueError, match=r"maps weight 'model.layers.9.mlp.up_proj.weight' to "
+                                       r"model.safetensors, but that file does not hold it"):
+    eagle3jax.load_target(str(tmp_path / "c"), dtype=jnp.float32)
+
+
 def test_everything_int4_on_a_2x4_mesh_equals_one_device():
   """No ignore list: attention (groups straddling 10-wide heads), dense MLP, shared experts and
   the vocab-sharded lm_head are INT4 too; data=2 x tensor=4 equals one device."""
