@@ -37,14 +37,18 @@ def make_mesh(data: int = 1, tensor: int = 1, *, devices=None) -> Mesh:
     A ``jax.sharding.Mesh`` with axes ``("data", "tensor")``, both ``AxisType.Explicit``.
 
   Raises:
-    ValueError: if a size is not a positive integer, there are too few devices, or a
-      multi-process mesh leaves devices out.
+    ValueError: if a size is not a positive integer, there are too few devices, a device is
+      listed twice, or a multi-process mesh leaves devices out.
   """
   for name, size in (("data", data), ("tensor", tensor)):
     if not is_integer(size) or size < 1:
       raise ValueError(f"make_mesh: {name}={size!r} must be a positive integer")
   data, tensor = int(data), int(tensor)
   devices = list(jax.devices() if devices is None else devices)
+  repeated = sorted({str(d) for d in devices if devices.count(d) > 1})
+  if repeated:  # XLA fails later, at the first placement, with a shard-count error
+    raise ValueError(f"make_mesh(devices=...) lists {repeated} more than once: a mesh needs "
+                     "distinct devices")
   need = data * tensor
   processes = jax.process_count()
   if processes > 1 and need != len(devices):

@@ -108,6 +108,10 @@ def test_drafter_and_deepseek_latent_cache_bytes():
   # the tensor axis, batch over data.
   per_token = hf["num_hidden_layers"] * (hf["kv_lora_rank"] + hf["qk_rope_head_dim"]) * 2
   assert r["per_device"]["kv_cache"] == (2 // 2) * r["cache_slots"] * per_token
+  # Per token and device, whatever the data axis (it was multiplied by data: twice the
+  # whole model's cache here, under an "all devices" label).
+  assert r["kv_bytes_per_token"] == per_token
+  assert f"| KV bytes per token / device | {per_token} |" in plan_lib.markdown(r)
   rd = plan_lib.plan(LLAMA, DRAFTER, data=1, tensor=8, batch=1, context=128, prompt_len=16,
                      with_cost=False, log=lambda m: None)
   # Drafter: one layer (attention input 2D) and the draft head split over the tensor axis; fc

@@ -121,6 +121,10 @@ def test_make_mesh_errors():
   assert mesh.axis_names == ("data", "tensor")
   assert all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
   assert sharding.make_mesh(np.int64(2), np.int32(4)).shape == mesh.shape
+  d0 = jax.devices()[0]
+  with pytest.raises(ValueError, match=rf"lists \['{d0}'\] more than once: a mesh needs "
+                                       "distinct devices"):
+    sharding.make_mesh(1, 2, devices=[d0, d0])
 
 
 def test_models_refuse_meshes_make_mesh_would_not_build():
