@@ -116,18 +116,23 @@ def _run(args) -> int:
 
   printed = [0]
 
-  def stream(tokens):
+  def stream(tokens, final=False):
     if not main:
       return
     text = codec.decode(tokens[0]) if codec else " ".join(map(str, tokens[0]))
-    sys.stdout.write(text[printed[0]:])
-    sys.stdout.flush()
-    printed[0] = len(text)
+    if not final:  # a round can end inside a character's bytes: hold its U+FFFD back
+      text = text.rstrip("\ufffd")
+    if len(text) > printed[0]:
+      sys.stdout.write(text[printed[0]:])
+      sys.stdout.flush()
+      printed[0] = len(text)
 
   # The first run compiles (and, without --json, streams the text as rounds are accepted,
   # which costs a host sync per round); the second, with the same shapes, is the timed one.
-  eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw,
-                     on_tokens=None if args.json else stream)
+  first = eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw,
+                             on_tokens=None if args.json else stream)
+  if not args.json:
+    stream(first.tokens, final=True)
   result = eagle3jax.generate(target, drafter, [prompt], **kw, **spec_kw)
   out = result.tokens[0]
   tree = (args.steps, args.topk, args.steps + 1 if args.topk == 1 else draft_tokens)

@@ -211,10 +211,11 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     temperature: 0 for greedy; otherwise sampling with ``top_p`` and ``top_k``.
     num_steps, topk, num_draft_tokens: draft tree shape (``topk=1``: a chain of
       ``num_steps + 1`` tokens; then ``num_draft_tokens`` is set to ``num_steps + 1``).
+      Without a drafter they, and ``capture``, are checked and unused.
     capture: None uses the drafter's recorded capture; any other must equal it.
     eos_ids: None takes the target config's EOS ids; ``[]`` disables stopping on EOS.
     seed: sampling seed, an integer in ``[-2**31, 2**32)`` (one key per row is derived from
-      it).
+      it). JAX keys hold 32 bits, so a negative seed is the key of ``seed + 2**32``.
     attention_impl: target attention (default: the Pallas kernel on GPU, XLA elsewhere).
     on_tokens: called after every round with the tokens emitted so far (streaming); this
       costs one host sync per round.
@@ -228,7 +229,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     + 1 per round), ``acceptance_per_position`` (the fraction of rounds that accepted at least
     d + 1 drafts), ``rounds``, ``accepted`` (the sum over rounds of accepted drafts + 1, so
     pooled acceptance over several calls is ``sum(accepted) / sum(rounds)``), ``tokens_per_s``
-    (excluding compilation), ``compile_s``, ``new_tokens``. With no round
+    (excluding compilation), ``compile_s``, ``new_tokens``, ``accept_length_recorded`` (the
+    drafter's recorded held-out acceptance at this tree shape; None without one, or without a
+    drafter). With no round
     (``max_new_tokens=1``, or every row's first token an EOS id) ``accept_length_mean`` is
     None, and so is ``acceptance_per_position`` with a drafter (without one it is always
     ``[]``). In a multi-process run
@@ -251,8 +254,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
                      "row from it")
   seed = checks.integer("seed", seed)
   if not -2**31 <= seed < 2**32:
-    raise ValueError(f"seed={seed} must be in [-2**31, 2**32) (JAX keys hold 32 bits: other "
-                     "seeds would repeat these)")
+    raise ValueError(f"seed={seed} must be in [-2**31, 2**32) (JAX keys hold 32 bits, so a "
+                     "negative seed is the key of seed + 2**32, and larger seeds would repeat "
+                     "these)")
   if on_tokens is not None and not callable(on_tokens):
     raise ValueError(f"on_tokens must be a function of the tokens so far, or None; got "
                      f"{type(on_tokens).__name__}")
@@ -273,23 +277,26 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         f"prompt too long: the longest prompt has {longest} tokens and max_new_tokens="
         f"{max_new_tokens}, which exceeds the target's max_position_embeddings="
         f"{cfg.max_position_embeddings}; shorten the prompt or lower max_new_tokens")
+  # The tree and capture arguments are checked without a drafter too (then unused), so a
+  # wrong value shared by a baseline call and a speculative one fails at both.
+  if drafter is not None:
+    contract.check_pair(target, drafter.config)
+  num_steps, topk = checks.integer("num_steps", num_steps, 1), checks.integer("topk", topk, 1)
+  if drafter is not None and topk > drafter.config.draft_vocab_size:
+    raise ValueError(f"topk={topk} exceeds the drafter's draft_vocab_size="
+                     f"{drafter.config.draft_vocab_size}")
+  if topk == 1:
+    num_draft_tokens = num_steps + 1
+  num_draft_tokens = checks.integer("num_draft_tokens", num_draft_tokens)
+  tree = TreeShape(num_steps, topk, num_draft_tokens)
+  asked = as_capture_spec(capture)
+  if asked is not None:  # out of range is said as such, not as "differs from the trained"
+    asked.validate(cfg.num_hidden_layers)
   if drafter is None:
     tree, spec_capture = None, None
   else:
-    contract.check_pair(target, drafter.config)
-    num_steps, topk = checks.integer("num_steps", num_steps, 1), checks.integer("topk", topk, 1)
-    if topk > drafter.config.draft_vocab_size:
-      raise ValueError(f"topk={topk} exceeds the drafter's draft_vocab_size="
-                       f"{drafter.config.draft_vocab_size}")
-    if topk == 1:
-      num_draft_tokens = num_steps + 1
-    num_draft_tokens = checks.integer("num_draft_tokens", num_draft_tokens)
-    tree = TreeShape(num_steps, topk, num_draft_tokens)
     contract.check_mesh(target, drafter.mesh)
     contract.check_served(target, drafter)
-    asked = as_capture_spec(capture)
-    if asked is not None:  # out of range is said as such, not as "differs from the trained"
-      asked.validate(cfg.num_hidden_layers)
     spec_capture = contract.check_serving_capture(drafter, asked)
     if longest + max_new_tokens + num_steps > drafter.config.max_position_embeddings:
       warnings.warn(
@@ -363,4 +370,6 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   if drafter is not None:
     monitor.compare(stats, drafter, tree.num_steps, tree.topk, tree.num_draft_tokens,
                     greedy=temperature == 0.0)
+  else:
+    stats["accept_length_recorded"] = None  # no drafter, no record: the key is always there
   return GenerateResult(result, stats)

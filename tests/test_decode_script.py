@@ -106,3 +106,27 @@ def test_script_help_runs():
                "--temperature", "--top-p", "--steps", "--topk", "--draft-tokens", "--mesh",
                "--aux-layer-convention", "--no-verify-capture", "--baseline", "--json"):
     assert flag in out
+
+
+def test_streaming_holds_back_a_character_split_between_rounds(monkeypatch, capsys):
+  """A byte-level tokenizer splits a character over several tokens, and a round can end
+  between them: the stream printed U+FFFD there and never took it back."""
+  from eagle3jax.decode_cli import DEFAULT_TARGET
+  from eagle3jax.generate import GenerateResult
+  from eagle3jax.text import TextCodec
+  text = "x = '日本語 café'\n"
+  codec = TextCodec(DEFAULT_TARGET)  # the shipped byte-level BPE
+  ids = codec.encode_prompt(text)
+  assert any("\ufffd" in codec.decode(ids[:n]) for n in range(len(ids)))  # a split exists
+
+  def fake_generate(target, drafter, prompts, on_tokens=None, **kw):
+    for n in range(1, len(ids) + 1):  # one token per round: every split is seen
+      if on_tokens is not None:
+        on_tokens([ids[:n]])
+    return GenerateResult([list(ids)], {"accept_length_mean": 1.0, "rounds": len(ids),
+                                        "acceptance_per_position": [0.0],
+                                        "accept_length_recorded": None, "tokens_per_s": 1.0})
+  monkeypatch.setattr(eagle3jax, "generate", fake_generate)
+  assert run(["--prompt-ids", "5,6,7", "--max-new-tokens", str(len(ids))]) == 0
+  streamed = capsys.readouterr().out.split("\n\n")[0]
+  assert streamed == text.rstrip("\n"), repr(streamed)

@@ -204,6 +204,23 @@ def test_bad_input_messages(pair):
     eagle3jax.generate(tgt, dr, [[1]], max_new_tokens=0)
 
 
+def test_baseline_checks_the_tree_and_capture_it_does_not_use(pair):
+  """Without a drafter, generate ignored capture='junk', num_steps=-3 and the like, which
+  then failed only once a drafter was passed; and its stats lacked accept_length_recorded."""
+  tgt, _ = pair
+  for kw, message in ((dict(capture="junk"), "capture='junk' must be a CaptureSpec"),
+                      (dict(num_steps=-3), "num_steps=-3 must be an integer >= 1"),
+                      (dict(topk=0), "topk=0 must be an integer >= 1"),
+                      (dict(topk=2, num_draft_tokens="x"), "num_draft_tokens='x' must be an "
+                                                          "integer"),
+                      (dict(num_steps=2, topk=2, num_draft_tokens=50), "num_draft_tokens=50"),
+                      (dict(capture=[0, 99]), "out of range")):
+    with pytest.raises(ValueError, match=message):
+      eagle3jax.generate(tgt, None, [[1]], max_new_tokens=2, **kw)
+  r = eagle3jax.generate(tgt, None, [[1]], max_new_tokens=2, num_steps=7, capture=[0, 1, 2])
+  assert r.stats["accept_length_recorded"] is None
+
+
 def test_chain_fast_path_builds_the_general_trees_chain():
   # topk == 1 takes _draft_chain (argmax, no pool or selection); the general EAGLE-2 code must
   # build the very same chain, tree arrays and drafter cache from the same state.
