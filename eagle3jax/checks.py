@@ -81,8 +81,9 @@ def hf_number(hf, key: str, default, kind=float, where: str = "config field"):
     return default
   value = hf[key]
   if not (is_integer(value) if kind is int else is_real(value)):
-    raise ValueError(f"{where}{'' if where.endswith('.') else ' '}{key}={value!r} must be {'an integer' if kind is int else 'a number'}"
-                     f" (or absent, for {default})")
+    sep = "" if where.endswith(".") else " "
+    what = "an integer" if kind is int else "a number"
+    raise ValueError(f"{where}{sep}{key}={value!r} must be {what} (or absent, for {default})")
   return kind(_scalar(value))
 
 
