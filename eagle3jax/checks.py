@@ -76,15 +76,18 @@ def int_fields(obj, names, minimum: int, prefix: str) -> None:
 
 def hf_number(hf, key: str, default, kind=float, where: str = "config field"):
   """A numeric ``config.json`` field: ``default`` when absent; a ``ValueError`` naming it when
-  it is null or not a number (``float(None)`` would fail deep in a loader otherwise)."""
+  it is null or not a number (``float(None)`` would fail deep in a loader otherwise). An
+  integer field may be written as a whole float (``8192.0``), as some tools write JSON."""
   if key not in hf:
     return default
-  value = hf[key]
-  if not (is_integer(value) if kind is int else is_real(value)):
+  value = _scalar(hf[key])
+  whole = is_real(value) and math.isfinite(value) and float(value).is_integer()  # 8192.0
+  if not (whole if kind is int else is_real(value)):
     sep = "" if where.endswith(".") else " "
     what = "an integer" if kind is int else "a number"
-    raise ValueError(f"{where}{sep}{key}={value!r} must be {what} (or absent, for {default})")
-  return kind(_scalar(value))
+    absent = "" if default is None else f" (or absent, for {default})"
+    raise ValueError(f"{where}{sep}{key}={value!r} must be {what}{absent}")
+  return kind(value)
 
 
 def token_ids(field: str, ids, vocab_size: int) -> tuple[int, ...]:

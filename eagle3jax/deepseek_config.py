@@ -210,10 +210,10 @@ class DeepseekConfig:
         qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=hf["qk_rope_head_dim"],
         v_head_dim=hf["v_head_dim"], n_routed_experts=hf["n_routed_experts"],
         num_experts_per_tok=hf["num_experts_per_tok"],
-        n_shared_experts=int(hf.get("n_shared_experts") or 0),
-        first_k_dense_replace=int(hf.get("first_k_dense_replace") or 0),
+        n_shared_experts=_count(hf, "n_shared_experts", 0),
+        first_k_dense_replace=_count(hf, "first_k_dense_replace", 0),
         routed_scaling_factor=checks.hf_number(hf, "routed_scaling_factor", None),
-        n_group=hf["n_group"] or 1, topk_group=hf["topk_group"] or 1,  # null: one group
+        n_group=_count(hf, "n_group", 1), topk_group=_count(hf, "topk_group", 1),
         norm_topk_prob=bool(hf["norm_topk_prob"]),
         rms_norm_eps=checks.hf_number(hf, "rms_norm_eps", 1e-6),
         rope=RopeConfig.from_hf(hf, rope_types=SUPPORTED_ROPE_TYPES),
@@ -221,6 +221,12 @@ class DeepseekConfig:
         max_position_embeddings=checks.hf_number(hf, "max_position_embeddings", 4096, int),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         model_type=model_type, eos_token_ids=tuple(int(e) for e in eos_ids))
+
+
+def _count(hf: Mapping[str, Any], key: str, if_null: int) -> int:
+  """An integer field whose null (or absence) means ``if_null`` (no shared experts, no dense
+  layers, one expert group), as in DeepSeek's own config class."""
+  return if_null if hf.get(key) is None else checks.hf_number(hf, key, None, int)
 
 
 def unwrap_text_config(hf: Mapping[str, Any]) -> dict:

@@ -125,24 +125,26 @@ class RopeConfig:
                                      int if key == "original_max_position_embeddings"
                                      else float, where=f"config field {where}.")
     if rope_type == "yarn":
-      if kwargs.get("factor") is None:  # transformers: the context-extension ratio
-        orig = kwargs.get("original_max_position_embeddings")
-        if orig is None or "max_position_embeddings" not in hf:
-          raise ValueError(f"config field {where}.factor is missing for rope type 'yarn'")
-        kwargs["factor"] = hf["max_position_embeddings"] / orig
-      if "original_max_position_embeddings" not in kwargs:
-        kwargs["original_max_position_embeddings"] = int(hf.get("max_position_embeddings",
-                                                                8192))
-      for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
-        if kwargs.get(key) is None:  # null or absent: transformers' defaults
-          kwargs.pop(key, None)
-      if kwargs.get("attention_factor") is not None:
-        kwargs["yarn_attention_factor"] = float(kwargs["attention_factor"])
-      kwargs.pop("attention_factor", None)
+      for key in list(kwargs):
+        if kwargs[key] is None:  # null or absent: transformers' defaults
+          kwargs.pop(key)
+      where_ = f"config field {where}."
+      top = checks.hf_number(hf, "max_position_embeddings", None, int)
+      orig = checks.hf_number(kwargs, "original_max_position_embeddings", top, int, where_)
+      if "factor" not in kwargs:  # transformers: the context-extension ratio
+        if orig is None or top is None:
+          raise ValueError(f"config field {where}.factor is missing for rope type 'yarn' (and "
+                           "max_position_embeddings / original_max_position_embeddings do not "
+                           "give it)")
+        kwargs["factor"] = top / orig
+      kwargs["original_max_position_embeddings"] = 8192 if orig is None else orig
+      if "attention_factor" in kwargs:
+        kwargs["yarn_attention_factor"] = checks.hf_number(kwargs, "attention_factor", None,
+                                                           where=where_)
+        kwargs.pop("attention_factor")
       for key in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
         if key in kwargs:
-          kwargs[key] = float(kwargs[key])
-      kwargs["original_max_position_embeddings"] = int(kwargs["original_max_position_embeddings"])
+          kwargs[key] = checks.hf_number(kwargs, key, None, where=where_)
       kwargs["truncate"] = bool(kwargs.get("truncate", True))
     if not checks.is_real(theta):
       raise ValueError(f"config field rope_theta={theta!r} must be a number (or absent, for "

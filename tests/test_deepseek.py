@@ -415,10 +415,45 @@ def test_routing_fields_without_one_default_must_be_stated():
                                          r"transformers \(" + field):
       DeepseekConfig.from_hf(hf)
   assert DeepseekConfig.from_hf(_hf(n_group=None, topk_group=None)).n_group == 1
-  with pytest.raises(ValueError, match="routed_scaling_factor=None must be a number"):
-    DeepseekConfig.from_hf(_hf(routed_scaling_factor=None))
+  with pytest.raises(ValueError, match=r"routed_scaling_factor=None must be a number$"):
+    DeepseekConfig.from_hf(_hf(routed_scaling_factor=None))  # no "(or absent": it may not be
   with pytest.raises(ValueError, match="norm_topk_prob=None must be true or false"):
     DeepseekConfig.from_hf(_hf(norm_topk_prob=None))
+
+
+def test_yarn_nulls_and_whole_floats_in_the_published_config():
+  """Nulls in a YaRN rope_scaling gave TypeErrors from int(None) or None / int; integers
+  written as whole floats (8192.0) load as before."""
+  with open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs",
+                         "deepseek-v3.json")) as f:
+    base = json.load(f)
+  ref = DeepseekConfig.from_hf(base)
+
+  def edited(**rope):
+    hf = json.loads(json.dumps(base))
+    for k, v in rope.items():
+      if v is ...:
+        hf["rope_scaling"].pop(k)
+      else:
+        hf["rope_scaling"][k] = v
+    return hf
+  # Null is absent: the original length defaults to max_position_embeddings, as transformers.
+  assert DeepseekConfig.from_hf(edited(original_max_position_embeddings=None)) \
+      .rope.original_max_position_embeddings == base["max_position_embeddings"]
+  assert DeepseekConfig.from_hf(edited(mscale=None)).rope.mscale == 0.0
+  assert DeepseekConfig.from_hf(edited(original_max_position_embeddings=4096.0)) == ref
+  assert DeepseekConfig.from_hf({**base, "n_group": 8.0}) == ref
+  no_top = edited(factor=...)
+  no_top["max_position_embeddings"] = None
+  with pytest.raises(ValueError, match="config field max_position_embeddings=None must be an "
+                                       "integer"):
+    DeepseekConfig.from_hf(no_top)
+  no_top.pop("max_position_embeddings")
+  with pytest.raises(ValueError, match=r"rope_scaling.factor is missing for rope type 'yarn'"):
+    DeepseekConfig.from_hf(no_top)
+  with pytest.raises(ValueError, match=r"config field rope_scaling.beta_fast='32' must be a "
+                                       r"number$"):
+    DeepseekConfig.from_hf(edited(beta_fast="32"))
 
 
 def test_unsupported_quantization_is_refused(tmp_path):
