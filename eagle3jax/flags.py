@@ -32,6 +32,12 @@ def nonnegative_int(text: str) -> int:
   return _int_at_least(text, 0)
 
 
+def measured_new_tokens(text: str) -> int:
+  """An argparse ``type`` for the ``--max-new-tokens`` of a measurement: an integer >= 2 (with
+  1 the prefill emits the only token, so no round runs and there is nothing to measure)."""
+  return _int_at_least(text, 2)
+
+
 def require_modules(needs: dict[str, str], install: str) -> None:
   """Raises ``ValueError`` naming each missing optional module (``needs``: module -> what needs
   it) and the command that installs them."""

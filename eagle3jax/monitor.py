@@ -61,8 +61,10 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
   half of the mean of a record this call is about to replace)."""
   from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
   from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
+  from eagle3jax.tree import checked_shape  # pylint: disable=import-outside-toplevel
+  shapes = [checked_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
   out = {}
-  for steps, topk, tokens in shapes:
+  for steps, topk, tokens in ((s.num_steps, s.topk, s.num_draft_tokens) for s in shapes):
     rounds, accepted = 0, 0
     for i in range(0, len(prompts), batch_size):
       with warnings.catch_warnings():

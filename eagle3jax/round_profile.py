@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from eagle3jax import capture_contract as contract
+from eagle3jax import checks
 from eagle3jax import engine as eng
 from eagle3jax.generate import _compiled, generate, start
 from eagle3jax.sampling import SamplingParams
@@ -102,9 +103,18 @@ def phase_times(target, drafter, prompt: list[int], tree: TreeShape, *,
     }
 
 
+def check_new_tokens(max_new_tokens) -> int:
+  """Timing rounds needs rounds: with one new token the prefill emits it and none runs."""
+  if not checks.is_integer(max_new_tokens) or max_new_tokens < 2:
+    raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 2 to time "
+                     "rounds (with 1 the prefill emits the only token and no round runs)")
+  return int(max_new_tokens)
+
+
 def loop_times(target, drafter, prompts, tree: TreeShape, *,
                max_new_tokens: int = 128) -> tuple[float, float]:
   """``(round ms, autoregressive step ms)`` in the real decode loop, batch 1, alternating."""
+  max_new_tokens = check_new_tokens(max_new_tokens)
   kw = dict(max_new_tokens=max_new_tokens, eos_ids=[])
   spec_kw = dict(num_steps=tree.num_steps, topk=tree.topk,
                  num_draft_tokens=tree.num_draft_tokens)
@@ -124,6 +134,7 @@ def profile_round(target, drafter, prompts, tree: TreeShape, *, max_new_tokens: 
                   repeats: int = 40) -> dict:
   """The breakdown of one tree shape: phase and round milliseconds and the same in
   autoregressive steps (``*_ar``)."""
+  max_new_tokens = check_new_tokens(max_new_tokens)
   phases = phase_times(target, drafter, prompts[0], tree, max_new_tokens=max_new_tokens,
                        repeats=repeats)
   round_ms, ar_ms = loop_times(target, drafter, prompts, tree, max_new_tokens=max_new_tokens)

@@ -9,6 +9,11 @@ import json
 import os
 
 
+# The special tokens transformers passes to a chat template (its special_tokens_map).
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                  "mask_token")
+
+
 class TextCodec:
   """Encodes prompts and decodes ids with a checkpoint directory's tokenizer."""
 
@@ -26,6 +31,7 @@ class TextCodec:
                        ) from None
     self.chat_template = None
     self.bos_token = None
+    self.special_tokens = {}
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(cfg_path):
       try:
@@ -36,8 +42,12 @@ class TextCodec:
       if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_path} must hold a JSON object")
       self.chat_template = _named_template(cfg.get("chat_template"), cfg_path)
-      bos = cfg.get("bos_token")
-      self.bos_token = bos.get("content") if isinstance(bos, dict) else bos
+      for name in SPECIAL_TOKENS:  # a string, or an AddedToken's {"content": ...}
+        value = cfg.get(name)
+        value = value.get("content") if isinstance(value, dict) else value
+        if isinstance(value, str):
+          self.special_tokens[name] = value
+      self.bos_token = self.special_tokens.get("bos_token")
     jinja_path = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja_path):  # where transformers saves it now; it wins, as there
       with open(jinja_path, encoding="utf-8") as f:
@@ -46,18 +56,25 @@ class TextCodec:
   def encode_prompt(self, text: str) -> list[int]:
     if self.chat_template:
       import jinja2  # pylint: disable=import-outside-toplevel
-      # As transformers renders chat templates: loop controls, and raise_exception.
-      env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True,
-                               extensions=["jinja2.ext.loopcontrols"])
+      from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+      # As transformers renders chat templates: sandboxed (a template is downloaded code), loop
+      # controls, raise_exception, and the tokenizer's special tokens as variables.
+      env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                          extensions=["jinja2.ext.loopcontrols"])
       env.globals["raise_exception"] = _raise_exception
       try:
         template = env.from_string(self.chat_template)
       except jinja2.TemplateError as e:
         raise ValueError(f"the chat template does not parse as Jinja ({e}); fix it, or pass "
                          "--prompt-ids") from None
-      text = template.render(
-          messages=[{"role": "user", "content": text}], add_generation_prompt=True,
-          bos_token=self.bos_token or "")
+      try:
+        text = template.render(messages=[{"role": "user", "content": text}],
+                               add_generation_prompt=True,
+                               **{"bos_token": "", **self.special_tokens})
+      except jinja2.TemplateError as e:
+        raise ValueError(f"the chat template failed on this prompt ({type(e).__name__}: {e}); "
+                         "fix the template or tokenizer_config.json, or pass --prompt-ids"
+                         ) from None
       return self.tokenizer.encode(text, add_special_tokens=False).ids
     return self.tokenizer.encode(text).ids
 

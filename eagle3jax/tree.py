@@ -70,6 +70,26 @@ class TreeShape:
     return max(1, (self.num_steps - 1) * self.topk)
 
 
+def checked_shape(shape, name: str) -> TreeShape:
+  """``shape`` ``(steps, topk, draft tokens)`` as a ``TreeShape``, or a ``ValueError`` naming
+  ``name``. A chain (topk 1) must say ``steps + 1`` tokens: ``generate`` drafts that many
+  whatever it is given, so a measurement labelled otherwise would be mislabelled (and a record
+  keyed so never looked up)."""
+  try:
+    steps, topk, tokens = shape
+  except (TypeError, ValueError):
+    raise ValueError(f"{name}={shape!r} must be (steps, topk, draft tokens), e.g. (7, 1, 8)"
+                     ) from None
+  try:
+    checked = TreeShape(steps, topk, tokens)
+  except ValueError as e:
+    raise ValueError(f"{name}={tuple(shape)!r}: {e}") from None
+  if checked.topk == 1 and checked.num_draft_tokens != checked.num_steps + 1:
+    raise ValueError(f"{name}={tuple(shape)!r}: a chain (topk 1) verifies steps + 1 = "
+                     f"{checked.num_steps + 1} tokens")
+  return checked
+
+
 def select(pool_score: jax.Array, pool_parent: jax.Array, pool_token: jax.Array,
            root_token: jax.Array, shape: TreeShape):
   """Keeps the best ``num_draft_tokens - 1`` pool entries of each row.

@@ -10,7 +10,8 @@ import sys
 
 from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
 from eagle3jax.demo import DEFAULT_DIR
-from eagle3jax.flags import check_writable, parse_ints, positive_int, require_modules
+from eagle3jax.flags import (check_writable, measured_new_tokens, parse_ints, positive_int,
+                             require_modules)
 
 
 def main() -> int:
@@ -18,7 +19,7 @@ def main() -> int:
   p.add_argument("--target", default=os.path.join(DEFAULT_DIR, "target"))
   p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
   p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=measured_new_tokens, default=128)
   p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
   p.add_argument("--runs", type=positive_int, default=3,
                  help="timed repetitions (medians, ranges)")

@@ -11,7 +11,9 @@ import sys
 
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
-from eagle3jax.flags import check_writable, nonnegative_int, parse_ints, positive_int
+from eagle3jax.flags import (check_writable, measured_new_tokens, nonnegative_int, parse_ints,
+                             positive_int)
+from eagle3jax.tree import checked_shape
 
 
 def _parse_shapes(text: str) -> list[tuple[int, ...]]:
@@ -22,6 +24,8 @@ def _parse_shapes(text: str) -> list[tuple[int, ...]]:
     shapes = []
   if not shapes:
     raise ValueError(f"--shapes {text!r}: expected 'steps,topk,tokens;...' (integers)")
+  for s in shapes:  # before the models load, and named as the flag
+    checked_shape(s, "--shapes")
   return shapes
 
 
@@ -53,7 +57,8 @@ def main() -> int:
                  help="which held-out prompts are drawn")
   p.add_argument("--shapes", default="7,1,8;5,4,8",
                  help="tree shapes 'steps,topk,tokens', separated by ';'")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=measured_new_tokens, default=128,
+                 help="new tokens per prompt (>= 2: with 1 no round runs)")
   p.add_argument("--batch", type=positive_int, default=8, help="prompts per generate call")
   p.add_argument("--misses", action="store_true",
                  help="also break each drafter's misses down by the target's logit gap and by "

@@ -64,7 +64,8 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
                       "DIR/train_state)")
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--prompts", metavar="FILE",
-                   help="text prompts, one per line, tokenised with DIR/tokenizer.json")
+                   help="text prompts, one per line, tokenised with DIR/tokenizer.json and, "
+                        "when DIR has one, its chat template (as decode.py --prompt)")
   src.add_argument("--prompt-ids-file", metavar="FILE",
                    help="JSON list of token-id lists (instead of --prompts)")
   p.add_argument("--heldout-prompt-ids-file", metavar="FILE",
@@ -122,7 +123,7 @@ def _read_prompts(args) -> list[list[int]]:
   if not os.path.isfile(tok_path):
     raise ValueError(f"--prompts needs {tok_path}; give --prompt-ids-file instead")
   from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
-  tok = TextCodec(args.target).tokenizer  # a damaged tokenizer.json is named, not a traceback
+  codec = TextCodec(args.target)  # a damaged tokenizer.json is named, not a traceback
   try:
     with open(args.prompts, encoding="utf-8") as f:
       lines = [line.rstrip("\n") for line in f if line.strip()]
@@ -131,7 +132,9 @@ def _read_prompts(args) -> list[list[int]]:
                      "per line in UTF-8") from None
   if not lines:
     raise ValueError(f"--prompts {args.prompts!r} has no non-empty lines")
-  return [tok.encode(line).ids for line in lines]
+  # As decode.py encodes --prompt: through the chat template when the target has one, so the
+  # drafter trains on the contexts it will serve.
+  return [codec.encode_prompt(line) for line in lines]
 
 
 def _train_config(args, train_config_cls):

@@ -67,6 +67,14 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
     ("scripts/bench_kernel.py", ["--small", "--interpret", "--iters", "0"],
      "argument --iters: 0 must be >= 1"),
     ("scripts/bench.py", ["--runs", "x"], "argument --runs: 'x' is not an integer"),
+    # With one new token no round runs: bench.py divided by zero rounds after its whole run,
+    # compare_drafters.py indexed a missing acceptance.
+    ("scripts/bench.py", ["--max-new-tokens", "1"], "argument --max-new-tokens: 1 must be >= 2"),
+    ("scripts/compare_drafters.py", ["d", "--max-new-tokens", "1"],
+     "argument --max-new-tokens: 1 must be >= 2"),
+    # A chain drafts steps + 1 tokens whatever it is given: (7, 1, 5) ran (7, 1, 8).
+    ("scripts/compare_drafters.py", ["d", "--shapes", "7,1,5;5,4,8"],
+     "--shapes=(7, 1, 5): a chain (topk 1) verifies steps + 1 = 8 tokens"),
 ])
 def test_scripts_refuse_bad_outputs_and_sizes_before_running(script, argv, message, monkeypatch,
                                                              capsys):

@@ -26,3 +26,21 @@ def test_breakdown_has_every_phase_and_leaves_decoding_exact():
   assert eagle3jax.generate(tgt, dr, prompts, num_steps=3, **kw).tokens == before
   assert eagle3jax.generate(tgt, None, prompts, **kw).tokens == eagle3jax.generate(
       tgt, dr, prompts, num_steps=3, **kw).tokens
+  # With one new token no round runs: the loop's round time divided by zero rounds.
+  import pytest  # pylint: disable=import-outside-toplevel
+  for fn in (round_profile.profile_round, round_profile.loop_times):
+    with pytest.raises(ValueError, match=r"max_new_tokens=1 must be an integer >= 2 to time "
+                                         "rounds"):
+      fn(tgt, dr, prompts, TreeShape(3, 1, 4), max_new_tokens=1)
+
+
+def test_measured_chain_shapes_say_the_tokens_a_chain_drafts():
+  """(7, 1, 5) was measured as (7, 1, 8), which generate drafts for any chain, and labelled
+  and recorded under a key the live monitor never looks up."""
+  import pytest  # pylint: disable=import-outside-toplevel
+  from eagle3jax import monitor  # pylint: disable=import-outside-toplevel
+  tgt = h.target()
+  with pytest.raises(ValueError, match=r"shapes\[1\]=\(3, 1, 2\): a chain \(topk 1\) verifies "
+                                       r"steps \+ 1 = 4 tokens"):
+    monitor.measure_acceptance(tgt, h.copy_drafter(tgt), h.PROMPTS[:1],
+                               ((3, 1, 4), (3, 1, 2)), max_new_tokens=4)

@@ -68,6 +68,27 @@ def test_chat_template_errors_are_named(tmp_path, template, message):
     TextCodec(str(tmp_path)).encode_prompt("hello")
 
 
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}user : {{ m['content'] + ' ' + eos_token }}{% endfor %}A",
+    "{% for m in messages %}{{ m['content'] }} {{ eos_token }}{% endfor %} {{ unk_token }} A",
+])
+def test_chat_template_gets_the_special_tokens(tmp_path, template):
+  """Only bos_token was passed: a Zephyr-style `+ eos_token` raised jinja2's UndefinedError,
+  and `{{ eos_token }}` rendered empty, a prompt other than transformers'."""
+  hf = _saved(tmp_path, template)
+  assert TextCodec(str(tmp_path)).encode_prompt("hello world") == _hf_ids(hf)
+
+
+def test_chat_template_render_errors_are_named_and_sandboxed(tmp_path):
+  _saved(tmp_path, "{{ messages[1]['content'] }}")  # one message: an undefined index
+  with pytest.raises(ValueError, match=r"the chat template failed on this prompt \(Undefined"):
+    TextCodec(str(tmp_path)).encode_prompt("hello")
+  # A template is downloaded code: rendered in jinja2's sandbox, as transformers does.
+  _saved(tmp_path, "{{ messages.__class__.__mro__ }}")
+  with pytest.raises(ValueError, match=r"failed on this prompt \(SecurityError"):
+    TextCodec(str(tmp_path)).encode_prompt("hello")
+
+
 def test_unreadable_tokenizer_files_are_named(tmp_path):
   _saved(tmp_path)
   (tmp_path / "tokenizer_config.json").write_text("[]")

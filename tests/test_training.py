@@ -615,6 +615,23 @@ def test_script_config_and_flags(tmp_path):
   assert (cfg.learning_rate, cfg.ttt_steps, cfg.b2) == (0.01, 5, 0.99)
 
 
+def test_script_prompts_go_through_the_chat_template_as_decode_does(tmp_path):
+  """--prompts lines were encoded raw while decode.py --prompt renders the target's chat
+  template: an instruct target's drafter trained on contexts it would never serve."""
+  from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
+  from tests.test_text import _saved  # pylint: disable=import-outside-toplevel
+  _saved(tmp_path)  # a tokenizer with a chat template, as transformers saves it
+  lines = tmp_path / "prompts.txt"
+  lines.write_text("hello world\n\nworld hello\n")
+  mod = _script()
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", str(tmp_path), "--out", "o", "--prompts", str(lines)])
+  codec = TextCodec(str(tmp_path))
+  got = mod._read_prompts(args)  # pylint: disable=protected-access
+  assert got == [codec.encode_prompt("hello world"), codec.encode_prompt("world hello")]
+  assert got[0] == [1, 5, 6, 3, 4, 7, 6]  # <s> user : hello world assistant :
+
+
 def test_script_heldout_prompts_are_checked(tmp_path, capsys):
   prompts = tmp_path / "p.json"
   prompts.write_text("[[1, 2, 3]]")

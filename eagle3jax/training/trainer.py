@@ -50,7 +50,7 @@ from eagle3jax.drafter import DrafterConfig
 from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
 from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
-from eagle3jax.tree import TreeShape
+from eagle3jax.tree import checked_shape
 from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      build_training_data, data_source, next_batch,
                                      target_features)
@@ -517,23 +517,6 @@ class TrainResult:
 HELDOUT_NEW_TOKENS = 128
 
 
-def _heldout_tree(heldout_shape) -> TreeShape:
-  """``heldout_shape`` (steps, topk, draft tokens) as a checked tree shape."""
-  try:
-    steps, topk, tokens = heldout_shape
-  except (TypeError, ValueError):
-    raise ValueError(f"heldout_shape={heldout_shape!r} must be (steps, topk, draft tokens), "
-                     "e.g. (7, 1, 8)") from None
-  try:
-    shape = TreeShape(steps, topk, tokens)
-  except ValueError as e:
-    raise ValueError(f"heldout_shape={tuple(heldout_shape)!r}: {e}") from None
-  if topk == 1 and tokens != steps + 1:
-    raise ValueError(f"heldout_shape={tuple(heldout_shape)!r}: a chain (topk 1) verifies "
-                     f"steps + 1 = {steps + 1} tokens")
-  return shape
-
-
 def _check_out_dir(out_dir: str) -> None:
   """Refuses an ``out_dir`` that holds a model other than an EAGLE-3 drafter (the target's own
   folder, say): the export would overwrite its ``config.json`` and weights."""
@@ -596,7 +579,7 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   if heldout_prompts:
     heldout_prompts = check_prompts(heldout_prompts, target.config.vocab_size,
                                     what="heldout_prompts")
-    shape = _heldout_tree(heldout_shape)
+    shape = checked_shape(heldout_shape, "heldout_shape")
     longest = max(len(p) for p in heldout_prompts)
     if longest + HELDOUT_NEW_TOKENS > limit:  # what generate would refuse after the training
       raise ValueError(f"heldout_prompts: the longest has {longest} tokens, and measuring "
