@@ -56,11 +56,11 @@ class TextCodec:
   def encode_prompt(self, text: str) -> list[int]:
     if self.chat_template:
       import jinja2  # pylint: disable=import-outside-toplevel
-      from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
+      import jinja2.sandbox  # pylint: disable=import-outside-toplevel
       # As transformers renders chat templates: sandboxed (a template is downloaded code), loop
       # controls, raise_exception, and the tokenizer's special tokens as variables.
-      env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                          extensions=["jinja2.ext.loopcontrols"])
+      env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+          trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
       env.globals["raise_exception"] = _raise_exception
       try:
         template = env.from_string(self.chat_template)
