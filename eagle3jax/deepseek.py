@@ -148,9 +148,11 @@ class MLAttention(nnx.Module):
     mask = attn_lib.visibility(lengths, tree_mask, s)[:, None, :, :]
     scores = jnp.where(mask, scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1).astype(ckv.dtype)
-    o_lat = jnp.einsum("BNTS,BSC->BTNC", probs, ckv, preferred_element_type=jnp.float32,
+    # In the cache's dtype: the product is rounded to it next anyway, and XLA:CPU has no
+    # bfloat16 x bfloat16 = float32 dot for this contraction once the batch exceeds 1.
+    o_lat = jnp.einsum("BNTS,BSC->BTNC", probs, ckv,
                        out_sharding=out_spec((BATCH, SEQ, HEADS, LORA), (b, t, n, c)))
-    out = jnp.einsum("BTNC,CNH->BTNH", o_lat.astype(ckv.dtype), w_v,
+    out = jnp.einsum("BTNC,CNH->BTNH", o_lat, w_v,
                      out_sharding=out_spec((BATCH, SEQ, HEADS, HEAD_DIM),
                                            (b, t, n, cfg.v_head_dim)))
     return out.astype(q_nope.dtype)

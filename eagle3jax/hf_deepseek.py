@@ -32,6 +32,10 @@ def init_deepseek(cfg: DeepseekConfig, *, mesh: Mesh | None = None, dtype=jnp.fl
   stored values and scales (dequantized weights of about ``std``), as a checkpoint with that
   ``quantization_config`` would load with ``quantization="keep"``.
   """
+  if not isinstance(cfg, DeepseekConfig):
+    raise ValueError(f"init_deepseek takes a DeepseekConfig, got {type(cfg).__name__}"
+                     + (": use init_target for Llama-family configs"
+                        if type(cfg).__name__ == "LlamaConfig" else ""))
   mesh = validate_mesh(mesh)
   checks.float_dtype("dtype", dtype)
   schemes = linear_schemes(quantization, deepseek_table(cfg), cfg.num_hidden_layers)

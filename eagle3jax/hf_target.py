@@ -270,6 +270,10 @@ def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32
                 seed: int = 0, std: float = 0.02, layer_loop: str = "scan"):
   """A randomly initialised target (the same weights on every mesh for the same seed);
   ``layer_loop`` as in ``load_target``."""
+  if not isinstance(cfg, LlamaConfig):
+    raise ValueError(f"init_target takes a LlamaConfig, got {type(cfg).__name__}"
+                     + (": use eagle3jax.init_deepseek for DeepSeek-family configs"
+                        if type(cfg).__name__ == "DeepseekConfig" else ""))
   mesh = validate_mesh(mesh)
   checks.float_dtype("dtype", dtype)
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)

@@ -456,6 +456,28 @@ def test_yarn_nulls_and_whole_floats_in_the_published_config():
     DeepseekConfig.from_hf(edited(beta_fast="32"))
 
 
+def test_bfloat16_batches_run_on_cpu():
+  """A bfloat16 DeepSeek model (load_target's default dtype) crashed on CPU at batch 2 and
+  more: XLA:CPU has no bf16 x bf16 = f32 dot for the absorbed attention's value product."""
+  cfg = DeepseekConfig.tiny()
+  ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11))
+  ref = np.asarray(eagle3jax.forward(eagle3jax.init_deepseek(cfg, seed=3, std=0.1), ids).logits)
+  bf16 = eagle3jax.init_deepseek(cfg, dtype=jnp.bfloat16, seed=3, std=0.1)
+  got = np.asarray(eagle3jax.forward(bf16, ids).logits, np.float32)
+  assert np.max(np.abs(got - ref)) < 0.05 * np.max(np.abs(ref))  # bfloat16 noise
+  out = eagle3jax.generate(bf16, None, [[5, 6, 7], [8, 9]], max_new_tokens=4, eos_ids=[])
+  assert [len(t) for t in out.tokens] == [4, 4]
+
+
+def test_init_functions_name_the_config_they_take():
+  with pytest.raises(ValueError, match="init_deepseek takes a DeepseekConfig, got LlamaConfig: "
+                                       "use init_target"):
+    eagle3jax.init_deepseek(eagle3jax.LlamaConfig.tiny())
+  with pytest.raises(ValueError, match="init_target takes a LlamaConfig, got DeepseekConfig: "
+                                       "use eagle3jax.init_deepseek"):
+    eagle3jax.init_target(DeepseekConfig.tiny())
+
+
 def test_unsupported_quantization_is_refused(tmp_path):
   dm.make_checkpoint(str(tmp_path))
   with open(tmp_path / "config.json") as f:
