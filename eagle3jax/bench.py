@@ -140,9 +140,7 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
 
   if runs < 1:
     raise ValueError(f"runs={runs} must be >= 1")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 2:  # before minutes of timing
-    raise ValueError(f"--max-new-tokens {max_new_tokens} must be >= 2: with 1 the prefill "
-                     "emits the only token, so no round runs and there is nothing to time")
+  max_new_tokens = round_profile.check_new_tokens(max_new_tokens)  # before the timing
   if num_prompts < 1 or not batches or min(batches) < 1:
     raise ValueError(f"--prompts {num_prompts} and --batches {list(batches)} must be >= 1")
   if max(batches) > num_prompts:

@@ -18,12 +18,12 @@ from eagle3jax.rope import SUPPORTED_ROPE_TYPES, RopeConfig
 
 DEEPSEEK_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
-# Fields read by ``from_hf`` or that do not change the forward pass (training-only losses,
-# expert-parallel size, multi-token-prediction heads, derived sizes, quantisation (the
-# loader's business)).
 # Routing fields whose defaults differ: (DeepSeek's remote code, transformers' DeepseekV3Config).
 _ROUTING_DEFAULTS = {"norm_topk_prob": (False, True), "routed_scaling_factor": (1.0, 2.5),
                      "n_group": (None, 8), "topk_group": (None, 4)}
+# Fields read by ``from_hf`` or that do not change the forward pass (training-only losses,
+# expert-parallel size, multi-token-prediction heads, derived sizes, quantisation (the
+# loader's business)).
 _KNOWN_HF_FIELDS = _IGNORED_HF_FIELDS | frozenset({
     "moe_intermediate_size", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
     "qk_rope_head_dim", "v_head_dim", "qk_head_dim", "n_routed_experts", "n_shared_experts",

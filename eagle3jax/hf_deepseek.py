@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from eagle3jax import checks
+from eagle3jax import checks, model_kinds
 from eagle3jax.deepseek import DeepseekForCausalLM
 from eagle3jax.deepseek_config import DeepseekConfig
 from eagle3jax.params import materialize, random_fill
@@ -32,10 +32,7 @@ def init_deepseek(cfg: DeepseekConfig, *, mesh: Mesh | None = None, dtype=jnp.fl
   stored values and scales (dequantized weights of about ``std``), as a checkpoint with that
   ``quantization_config`` would load with ``quantization="keep"``.
   """
-  if not isinstance(cfg, DeepseekConfig):
-    raise ValueError(f"init_deepseek takes a DeepseekConfig, got {type(cfg).__name__}"
-                     + (": use init_target for Llama-family configs"
-                        if type(cfg).__name__ == "LlamaConfig" else ""))
+  model_kinds.require_config("init_deepseek", cfg, DeepseekConfig)
   mesh = validate_mesh(mesh)
   checks.float_dtype("dtype", dtype)
   schemes = linear_schemes(quantization, deepseek_table(cfg), cfg.num_hidden_layers)

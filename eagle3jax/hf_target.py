@@ -31,7 +31,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
 
-from eagle3jax import checks
+from eagle3jax import checks, model_kinds
 from eagle3jax.config import LlamaConfig
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type, unwrap_text_config
 from eagle3jax.llama import LlamaForCausalLM, kv_head_replication
@@ -270,10 +270,7 @@ def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32
                 seed: int = 0, std: float = 0.02, layer_loop: str = "scan"):
   """A randomly initialised target (the same weights on every mesh for the same seed);
   ``layer_loop`` as in ``load_target``."""
-  if not isinstance(cfg, LlamaConfig):
-    raise ValueError(f"init_target takes a LlamaConfig, got {type(cfg).__name__}"
-                     + (": use eagle3jax.init_deepseek for DeepSeek-family configs"
-                        if type(cfg).__name__ == "DeepseekConfig" else ""))
+  model_kinds.require_config("init_target", cfg, LlamaConfig)
   mesh = validate_mesh(mesh)
   checks.float_dtype("dtype", dtype)
   factory, kv_repeat = _llama_factory(cfg, mesh, dtype)

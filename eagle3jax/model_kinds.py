@@ -33,3 +33,16 @@ def require_drafter(name: str, obj, alternative: str = "") -> None:
   if not isinstance(obj, Eagle3Drafter):
     raise ValueError(f"{name} must be an EAGLE-3 drafter (load_drafter / init_drafter)"
                      f"{alternative}; got {_what(obj)}")
+
+
+# Which init function builds a model of each config family.
+_INIT_OF = {"LlamaConfig": "init_target", "DeepseekConfig": "eagle3jax.init_deepseek"}
+
+
+def require_config(fn: str, cfg, expected: type) -> None:
+  """Raises ``ValueError`` unless ``cfg`` (the config given to ``fn``) is an ``expected``;
+  names the init function of the config family it is, if another."""
+  if not isinstance(cfg, expected):
+    other = _INIT_OF.get(type(cfg).__name__)
+    raise ValueError(f"{fn} takes a {expected.__name__}, got {type(cfg).__name__}"
+                     + (f": use {other} for that config" if other else ""))

@@ -30,7 +30,6 @@ class TextCodec:
                        "instead of text (--prompt-ids, --prompt-ids-file), or fix the file"
                        ) from None
     self.chat_template = None
-    self.bos_token = None
     self.special_tokens = {}
     cfg_path = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(cfg_path):
@@ -47,7 +46,6 @@ class TextCodec:
         value = value.get("content") if isinstance(value, dict) else value
         if isinstance(value, str):
           self.special_tokens[name] = value
-      self.bos_token = self.special_tokens.get("bos_token")
     jinja_path = os.path.join(path, "chat_template.jinja")
     if os.path.exists(jinja_path):  # where transformers saves it now; it wins, as there
       with open(jinja_path, encoding="utf-8") as f:
