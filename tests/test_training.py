@@ -381,6 +381,12 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   got = got[:3] + [r["loss"] for r in resumed.train(n - 3, progress=False)]
   assert resumed.step == n
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+  resumed.close()
+  # A run asked for fewer steps than its checkpoint holds would export the later step.
+  shorter = training.TrainConfig(**{**cfg.__dict__, "total_steps": 5})
+  with pytest.raises(ValueError, match=r"checkpoint of step 6, past this run's total_steps=5"
+                                       r".*Set total_steps to at least 6"):
+    training.Trainer(target, _drafter(target, d), d, shorter, checkpoint_dir=ckpt)
   other = training.pack(prompts, [[7] * 5] * len(prompts), SEQ_LEN)
   with pytest.raises(ValueError, match="written for other training data"):
     training.Trainer(target, _drafter(target, d), other, cfg, checkpoint_dir=ckpt)

@@ -342,6 +342,13 @@ class Trainer:
       latest = self._manager.latest_step()
       distributed.same_on_all(-1 if latest is None else latest,
                               f"the latest checkpoint in {checkpoint_dir}")
+      if latest is not None and latest > config.total_steps:
+        self._manager.close()
+        raise ValueError(
+            f"{checkpoint_dir} holds a checkpoint of step {latest}, past this run's "
+            f"total_steps={config.total_steps}: resuming would export a drafter trained "
+            f"{latest} steps. Set total_steps to at least {latest}, delete the later step "
+            "folders, or use a fresh checkpoint directory")
       if latest is not None:
         try:
           self.restore(latest)
