@@ -4,9 +4,12 @@ after a kill, export -> load -> lossless decode, the script's flags and errors."
 import dataclasses
 import functools
 import json
+import logging
 import os
 import re
 import shutil
+import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -410,9 +413,9 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
 
 
 # Orbax's failed read of the damaged step leaves TensorStore callbacks aimed at its closed
-# asyncio loop ("Event loop is closed", reported later as unraisable): noise after the error,
-# from inside orbax, not a failure.
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+# asyncio loop ("Event loop is closed", reported as unraisable exceptions: a traceback per
+# array after the error); the trainer drops those, so any unraisable exception here fails.
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_resume_refuses_another_drafter_and_names_damaged_checkpoints(target, tmp_path):
   """Checkpoint metadata is read and checked before the arrays: a drafter of another config
   used to meet orbax's shape error (or, same shapes, resume and export under the new config
@@ -449,6 +452,36 @@ def test_resume_refuses_another_drafter_and_names_damaged_checkpoints(target, tm
   (ckpt / "5").mkdir()  # an empty step folder (a write that never started)
   with pytest.raises(ValueError, match=r"step 5 in .* has no readable metadata .*; delete "):
     training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=str(ckpt))
+
+
+def test_failed_read_filters_drop_only_the_failed_reads_reports(monkeypatch, caplog):
+  seen = []
+  monkeypatch.setattr("sys.unraisablehook", seen.append)
+  asyncio_log = logging.getLogger("asyncio")
+  monkeypatch.setattr(asyncio_log, "filters", [])
+  training.trainer._quiet_failed_reads("/ckpt/2")
+  training.trainer._quiet_failed_reads("/ckpt/3")  # installed once, not stacked
+  assert asyncio_log.filters == [training.trainer._FAILED_READS]
+
+  def report(exc, obj=None):
+    sys.unraisablehook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
+                                             exc_traceback=None, err_msg=None, object=obj))
+  report(RuntimeError("Event loop is closed"))
+  report(RuntimeError("Event loop is closed"), obj="a finaliser")
+  report(RuntimeError("something else"))
+  report(ValueError("Event loop is closed"))
+  assert [str(u.exc_value) for u in seen] == ["Event loop is closed", "something else",
+                                              "Event loop is closed"]
+  assert [u.object for u in seen] == ["a finaliser", None, None]
+  with caplog.at_level(logging.ERROR, logger="asyncio"):
+    for path in ("/ckpt/2/state/", "/ckpt/20/state/", "/elsewhere/"):
+      asyncio_log.error("Future exception was never retrieved\nfuture: <Future finished "
+                        "exception=ValueError('NOT_FOUND: reading %s')>", path)
+    asyncio_log.error("Task exception was never retrieved\nfuture: <Task finished "
+                      "exception=ValueError('NOT_FOUND: reading /ckpt/3/state/')>")
+    asyncio_log.error("Task was destroyed but it is pending: /ckpt/2/state/")
+  assert [r.getMessage().split("reading ")[-1] for r in caplog.records] == [
+      "/ckpt/20/state/')>", "/elsewhere/')>", "Task was destroyed but it is pending: /ckpt/2/state/"]
 
 
 def test_damaged_training_data_is_named(tmp_path):

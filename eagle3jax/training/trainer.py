@@ -28,6 +28,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 import zlib
 from typing import Sequence
@@ -298,6 +299,53 @@ def _first_line(e: Exception) -> str:
   return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
+class _FailedReadLogFilter(logging.Filter):
+  """Drops asyncio's "Future/Task exception was never retrieved" records naming given
+  folders."""
+
+  def __init__(self):
+    super().__init__()
+    self.folders: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not (message.startswith(("Future exception was never retrieved",
+                                    "Task exception was never retrieved"))
+                and any(folder in message for folder in self.folders))
+
+
+_FAILED_READS = _FailedReadLogFilter()
+
+
+def _quiet_failed_reads(folder: str) -> None:
+  """Silences what an orbax read of ``folder`` that fails leaves behind.
+
+  When one array of a checkpoint cannot be read, orbax raises and closes its asyncio loop
+  while TensorStore's other reads are still in flight. Each of them then calls back into the
+  closed loop (Python prints a "RuntimeError: Event loop is closed" traceback per array, as an
+  unraisable exception, some before the error is even raised) and leaves failed futures and
+  tasks that asyncio logs when they are collected ("Future exception was never retrieved",
+  "Task exception ...", naming the folder). The trainer raises its own error naming the step and what to do, so both are
+  noise: installed before a restore, this drops exactly those two reports; every other
+  unraisable exception and log record goes on as before."""
+  _FAILED_READS.folders.add(os.path.join(folder, ""))  # ckpt/2/, not ckpt/20/
+  asyncio_log = logging.getLogger("asyncio")
+  if _FAILED_READS not in asyncio_log.filters:
+    asyncio_log.addFilter(_FAILED_READS)
+  previous = sys.unraisablehook
+  if getattr(previous, "_eagle3jax_closed_loop_filter", False):
+    return
+
+  def hook(unraisable):
+    if (unraisable.exc_type is RuntimeError and unraisable.object is None
+        and str(unraisable.exc_value) == "Event loop is closed"):
+      return
+    previous(unraisable)
+
+  hook._eagle3jax_closed_loop_filter = True
+  sys.unraisablehook = hook
+
+
 def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
                       tree)
@@ -457,6 +505,7 @@ class Trainer:
     folder = os.path.join(str(self._manager.directory), str(step))
     unreadable = (f"; delete {folder} to resume from the checkpoint before it, or use a fresh "
                   "checkpoint directory")
+    _quiet_failed_reads(folder)
     try:
       meta = self._manager.restore(step, args=ocp.args.Composite(
           meta=ocp.args.JsonRestore())).meta
