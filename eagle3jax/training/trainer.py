@@ -325,9 +325,9 @@ def _quiet_failed_reads(folder: str) -> None:
   closed loop (Python prints a "RuntimeError: Event loop is closed" traceback per array, as an
   unraisable exception, some before the error is even raised) and leaves failed futures and
   tasks that asyncio logs when they are collected ("Future exception was never retrieved",
-  "Task exception ...", naming the folder). The trainer raises its own error naming the step and what to do, so both are
-  noise: installed before a restore, this drops exactly those two reports; every other
-  unraisable exception and log record goes on as before."""
+  "Task exception ...", naming the folder). The trainer raises its own error naming the step
+  and what to do, so both are noise: installed before a restore, this drops exactly those
+  reports; every other unraisable exception and log record goes on as before."""
   _FAILED_READS.folders.add(os.path.join(folder, ""))  # ckpt/2/, not ckpt/20/
   asyncio_log = logging.getLogger("asyncio")
   if _FAILED_READS not in asyncio_log.filters:
