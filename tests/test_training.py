@@ -481,7 +481,8 @@ def test_failed_read_filters_drop_only_the_failed_reads_reports(monkeypatch, cap
                       "exception=ValueError('NOT_FOUND: reading /ckpt/3/state/')>")
     asyncio_log.error("Task was destroyed but it is pending: /ckpt/2/state/")
   assert [r.getMessage().split("reading ")[-1] for r in caplog.records] == [
-      "/ckpt/20/state/')>", "/elsewhere/')>", "Task was destroyed but it is pending: /ckpt/2/state/"]
+      "/ckpt/20/state/')>", "/elsewhere/')>",
+      "Task was destroyed but it is pending: /ckpt/2/state/"]
 
 
 def test_damaged_training_data_is_named(tmp_path):
