@@ -40,6 +40,7 @@ checkpoint's record by 0.06-0.10, its neighbouring layers by more than 0.5.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -198,9 +199,11 @@ def check_serving_capture(drafter, capture) -> CaptureSpec:
 
 
 # Per drafter, the targets it was checked against: ``{drafter: [(weakref to the target, weakrefs
-# to its embedding and final-norm arrays, capture ids, the record object)]}`` (the last
+# to its embedding and final-norm arrays, capture ids, the record object, vouched)]}`` (the last
 # ``CHECKED_PER_DRAFTER``), so ``check_served`` costs a dictionary lookup once a pair is known.
-# The arrays' weakrefs die when the target's weights are replaced (``nnx.update``).
+# The arrays' weakrefs die when the target's weights are replaced (``nnx.update``). ``vouched``:
+# the pairing itself was established (the drafter was initialised for the target, its record
+# verified on it, or its probe found it agreeing with the target), not only served.
 _CHECKED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 CHECKED_PER_DRAFTER = 4
 
@@ -216,13 +219,32 @@ def _same_target(key: tuple, target) -> bool:
           and norm() is target.norm.weight[...])
 
 
-def mark_checked(drafter, target) -> None:
+def mark_checked(drafter, target, *, vouched: bool = False) -> None:
   """Records that ``drafter`` was checked for ``target`` with its current capture and record
-  (or created for it). ``drafter.capture_check_skipped`` says whether the check was skipped."""
-  entries = [e for e in _CHECKED.get(drafter, []) if e[0][0]() is not None]
-  entries.append((_target_key(target), drafter.config.capture.layer_ids,
-                  getattr(drafter, "capture_record", None)))
+  (or created for it). ``drafter.capture_check_skipped`` says whether the check was skipped;
+  ``vouched`` whether the check established the pairing (see ``vouched_for``)."""
+  capture = drafter.config.capture.layer_ids
+  record = getattr(drafter, "capture_record", None)
+  entries = []
+  for e in _CHECKED.get(drafter, []):
+    if e[0][0]() is None:
+      continue
+    if _same_target(e[0], target) and e[1] == capture and e[2] is record:
+      vouched = vouched or e[3]  # serving a vouched pair again keeps it vouched
+      continue
+    entries.append(e)
+  entries.append((_target_key(target), capture, record, vouched))
   _CHECKED[drafter] = entries[-CHECKED_PER_DRAFTER:]
+
+
+def vouched_for(drafter, target) -> bool:
+  """Whether this drafter object, with its current capture, was initialised for ``target``,
+  or loaded for it with its record verified or its probe agreeing. Being served with it
+  (``check_served``) is not enough for a drafter without a record: that checks only the
+  embedding and that the capture is the loaded one."""
+  capture = drafter.config.capture.layer_ids
+  return any(_same_target(key, target) and ids == capture and vouched
+             for key, ids, _, vouched in _CHECKED.get(drafter, []))
 
 
 def check_served(target, drafter, where: str = "the drafter passed to generate") -> None:
@@ -239,7 +261,7 @@ def check_served(target, drafter, where: str = "the drafter passed to generate")
   entries = _CHECKED.get(drafter, [])
   capture = drafter.config.capture
   record = getattr(drafter, "capture_record", None)
-  for key, ids, rec in entries:
+  for key, ids, rec, _ in entries:
     if _same_target(key, target) and ids == capture.layer_ids and rec is record:
       return
   if not drafter.own_embedding and drafter.embed_tokens is not target.embed_tokens:
@@ -261,8 +283,13 @@ def check_served(target, drafter, where: str = "the drafter passed to generate")
 
 def check_capture_unchanged(drafter, where: str) -> None:
   """A drafter without a capture record keeps the capture it was loaded or initialised with
-  (or any it was served with since): nothing could check another."""
-  known = {ids for _, ids, _ in _CHECKED.get(drafter, [])}
+  (or any it was served with since): nothing could check another. The loaded capture is also
+  kept as an attribute (``capture_loaded_ids``), so copies (``nnx.clone``, ``split``/``merge``)
+  are held to it too."""
+  known = {ids for _, ids, _, _ in _CHECKED.get(drafter, [])}
+  loaded = getattr(drafter, "capture_loaded_ids", None)
+  if loaded is not None:
+    known.add(tuple(loaded))
   capture = drafter.config.capture
   if known and capture.layer_ids not in known:
     raise ValueError(
@@ -374,6 +401,9 @@ class CaptureRecord:
     lm_head: ``[T, PROJECTION_DIM]`` projected LM-head columns of the calibration ids (the
       weights that score those tokens; the embedding's for a tied head). Empty in records
       written before it was recorded: their head is not checked.
+    weights: digest (``weights_digest``) of the drafter weights the record was written with,
+      so a record left beside weights another tool wrote over is refused. Empty in records
+      written before it was recorded (and in records not yet written to a folder).
   """
   capture: tuple[int, ...]
   calibration_ids: tuple[int, ...]
@@ -384,6 +414,7 @@ class CaptureRecord:
   acceptance: tuple = ()
   target_layers: int = 0
   lm_head: tuple = ()
+  weights: str = ""
 
   def acceptance_for(self, steps: int, topk: int, tokens: int) -> float | None:
     return dict(self.acceptance).get(tree_key(steps, topk, tokens))
@@ -403,7 +434,8 @@ class CaptureRecord:
             "target_fingerprint": {"embedding": r(self.embedding),
                                    "final_norm": r(self.final_norm),
                                    **({"lm_head": r(self.lm_head)} if self.lm_head else {})},
-            "heldout_acceptance": dict(self.acceptance)}
+            "heldout_acceptance": dict(self.acceptance),
+            **({"weights_digest": self.weights} if self.weights else {})}
 
   @classmethod
   def from_json(cls, d: dict, where: str) -> "CaptureRecord":
@@ -438,14 +470,51 @@ class CaptureRecord:
       for k, v in acceptance.items():
         check_acceptance(k, v)
       acceptance = {k: float(v) for k, v in acceptance.items()}
+      weights = d.get("weights_digest", "")
+      if not (isinstance(weights, str) and re.fullmatch(r"([0-9a-f]{64})?", weights)):
+        raise ValueError(f"weights_digest {weights!r} is not 64 hex digits")
       return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
                  tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
                  tuple(sorted(acceptance.items())), layers,
-                 () if head is None else tuple(map(tuple, head.tolist())))
+                 () if head is None else tuple(map(tuple, head.tolist())), weights)
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as e:
       why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
       raise ValueError(f"{where} is not a valid eagle3jax capture record ({why}); delete it to "
                        "load the drafter with the probe instead") from None
+
+
+# The shared token embedding is not in the digest: it is the target's table (checked against
+# the target on load and when served), and engines that share it drop it from the file.
+UNDIGESTED = ("embed_tokens.weight",)
+
+
+def tensor_digest(array: np.ndarray) -> str:
+  """Digest of one stored tensor: its dtype, shape and bytes."""
+  array = np.ascontiguousarray(array)
+  h = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+  h.update(array.view(np.uint8).reshape(-1) if array.size else b"")
+  return h.hexdigest()
+
+
+def weights_digest(tensor_digests: dict[str, str]) -> str:
+  """Digest of a drafter file's weights from ``{name: tensor_digest}`` (``UNDIGESTED`` names
+  left out): what ``CaptureRecord.weights`` holds."""
+  h = hashlib.sha256()
+  for name in sorted(set(tensor_digests) - set(UNDIGESTED)):
+    h.update(f"{name}={tensor_digests[name]};".encode())
+  return h.hexdigest()
+
+
+def check_weights(record: CaptureRecord, digest: str, where: str) -> None:
+  """Refuses a record written with other weights than the ones it sits beside."""
+  if record.weights and record.weights != digest:
+    raise ValueError(
+        f"{where}: its capture record ({RECORD_FILE}) was written with other weights than "
+        f"the folder's safetensors now hold (weights digest {record.weights[:12]}... recorded, "
+        f"{digest[:12]}... found): the drafter was re-exported over it by another tool or "
+        f"copied in by hand, and the record would vouch for weights it never saw. Delete "
+        f"{RECORD_FILE} to load the drafter with the probe instead, or save it again with "
+        f"save_drafter(..., target=...) to take a record of these weights")
 
 
 def check_acceptance(key, value) -> None:

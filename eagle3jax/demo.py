@@ -352,22 +352,25 @@ def reexport_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(),
   import eagle3jax
   from eagle3jax import monitor
 
+  import ml_dtypes
   drafter_dir = os.path.join(out_dir, "drafter")
   target, tok = load_demo_target(out_dir)
-  # Verified on load (its record, or a probe), and save_drafter verifies that record again
-  # before it writes the new one.
-  drafter = eagle3jax.load_drafter(drafter_dir, target=target)
   if train_texts is None:
     train_texts = read_split(read_manifest(out_dir), "train")
   calibration = prompts_from(tok, train_texts, 1, cfg.prompt_len, cfg.seed)[0]
+  # Verified on load (its record, or a probe), and save_drafter verifies that record again
+  # before it writes the new one. Stored in bfloat16 first, then loaded as stored, so the
+  # acceptance measured is that of the weights shipped.
+  drafter = eagle3jax.load_drafter(drafter_dir, target=target)
+  eagle3jax.save_drafter(drafter, drafter_dir, target=target, calibration_ids=calibration,
+                         dtype=ml_dtypes.bfloat16)
+  drafter = eagle3jax.load_drafter(drafter_dir, target=target)
   acceptance = monitor.measure_acceptance(
       target, drafter, heldout_prompts(out_dir, tok), monitor.DEFAULT_SHAPES + ((5, 4, 8),),
       max_new_tokens=HELDOUT_NEW_TOKENS, batch_size=1, eos_ids=[])
   log(f"held-out acceptance: {acceptance}")
   eagle3jax.save_drafter(drafter, drafter_dir, target=target, calibration_ids=calibration,
-                         acceptance=acceptance)
-  import ml_dtypes
-  _to_bf16(drafter_dir, ml_dtypes.bfloat16)
+                         acceptance=acceptance, dtype=ml_dtypes.bfloat16)
   return acceptance
 
 
@@ -406,10 +409,8 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   for point in result.curve:
     log(f"  held-out acceptance at step {point['step']}: {point['accept_length']:.2f} "
         f"({point['seconds']:.0f} s)")
-  import ml_dtypes
-  _to_bf16(drafter_dir, ml_dtypes.bfloat16)
-  # The record keeps the acceptance of the stored (bfloat16) drafter at batch 1, as the
-  # benchmark measures it.
+  # Stored in bfloat16; the record keeps the acceptance of the stored drafter at batch 1, as
+  # the benchmark measures it.
   reexport_drafter(out_dir, cfg, log=log, train_texts=train_texts)
   return result.curve
 
@@ -495,23 +496,3 @@ def plot_curve(curve: list[dict], path: str, title: str = "") -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
-
-
-def _to_bf16(drafter_dir: str, dtype) -> None:
-  """Stores the drafter's float weights in bfloat16 (d2t/t2d keep their types)."""
-  import safetensors.numpy
-  from eagle3jax.safetensors_io import SafetensorsFile
-  path = os.path.join(drafter_dir, "model.safetensors")
-  st = SafetensorsFile(path)
-  tensors = {}
-  for n in st.names:
-    a = np.array(st.get(n))
-    tensors[n] = a.astype(dtype) if a.dtype == np.float32 else a
-  del st
-  safetensors.numpy.save_file(tensors, path)
-  cfg_path = os.path.join(drafter_dir, "config.json")
-  with open(cfg_path) as f:
-    hf = json.load(f)
-  hf["torch_dtype"] = "bfloat16"
-  with open(cfg_path, "w") as f:
-    json.dump(hf, f, indent=2)

@@ -240,6 +240,7 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
       tensors.get("embed_tokens.weight"), target)
   used = {"embed_tokens.weight"} if "embed_tokens.weight" in tensors else set()
   where = f"drafter checkpoint {path!r}"
+  digests: dict[str, str] = {}  # the record's weights digest, taken as the weights are read
 
   def fill(name, shape, init):
     hf_name, fn = _hf_name_and_transform(name, cfg)
@@ -254,6 +255,8 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
       }.get(name, ""))
     used.add(hf_name)
     w = tensors.get(hf_name)
+    if record is not None:
+      digests[hf_name] = contract.tensor_digest(w)
     try:
       out = fn(np.asarray(w))
     except ValueError:
@@ -274,26 +277,38 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
   extra = sorted(set(tensors.names) - used)
   if extra:
     raise ValueError(f"{where} has unexpected weights {extra[:8]}")
+  if record is not None:
+    if record.weights:
+      contract.check_weights(record, contract.weights_digest(digests), where)
+    else:
+      log.warning("%s: its capture record predates weights digests, so nothing ties it to "
+                  "these weights; save the drafter again (save_drafter) to record them", where)
   drafter = _attach(drafter, target, mesh)
   drafter.capture_record = record
+  vouched = False
   if verify_capture:
-    explanation = _verify(drafter, target, record, capture, readings, aux_layer_convention,
-                          hf, explanation, where)
+    explanation, vouched = _verify(drafter, target, record, capture, readings,
+                                   aux_layer_convention, hf, explanation, where)
   else:
     explanation += "; capture NOT verified (verify_capture=False)"
     log.warning("%s: capture %s NOT verified (verify_capture=False): if it is not what the "
                 "drafter was trained on, acceptance collapses without any other sign", where,
                 drafter.config.capture.as_list())
-  drafter.capture_check_skipped = not verify_capture  # an attribute: it survives nnx copies
-  contract.mark_checked(drafter, target)
+  # Attributes, so nnx copies (clone, split/merge) keep them.
+  drafter.capture_check_skipped = not verify_capture
+  drafter.capture_loaded_ids = drafter.config.capture.layer_ids
+  contract.mark_checked(drafter, target, vouched=vouched)
   log.info("drafter %s: %s", path, explanation)
   drafter.capture_explanation = explanation
   return drafter
 
 
 def _verify(drafter, target, record, capture, readings, convention, hf, explanation,
-            where) -> str:
-  """The load-time capture check (record, else probe); may settle an ``"auto"`` reading."""
+            where) -> tuple[str, bool]:
+  """The load-time capture check (record, else probe); may settle an ``"auto"`` reading.
+  Returns the explanation and whether the check vouches for the pairing (a verified record,
+  or a probe above ``PROBE_FLOOR``: below it the probe warns that the drafter was probably
+  trained for another target)."""
   ids, recorded = contract.config_ids(hf)
   ambiguous = ids is not None and recorded is None and convention == "auto"
   if record is not None:
@@ -304,17 +319,20 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
           try:
             note = contract.verify_record(record, target, readings[conv], where=where)
             drafter.config = dataclasses.replace(drafter.config, capture=readings[conv])
-            return f"{IDS_KEY}={ids} read as {conv!r} (settled by the capture record); {note}"
+            return (f"{IDS_KEY}={ids} read as {conv!r} (settled by the capture record); "
+                    f"{note}", True)
           except ValueError as e:
             verdict_errors.append(e)
       raise verdict_errors[-1]
-    return explanation + "; " + contract.verify_record(record, target, capture, where=where)
+    return explanation + "; " + contract.verify_record(record, target, capture,
+                                                       where=where), True
   if ids is None or len(readings) < 2:
     # One reading, nothing to compare it with; the probe still tells a drafter trained for
     # another target (it agrees with this one almost never) and warns.
     only = {"configured": capture}
     scores = contract.probe_capture(target, drafter, only)
-    return explanation + "; " + contract.judge_probe(scores, only, "configured", where=where)
+    return (explanation + "; " + contract.judge_probe(scores, only, "configured", where=where),
+            max(scores.values()) >= contract.PROBE_FLOOR)
   scores = contract.probe_capture(target, drafter, readings)
   if ambiguous:
     conv = max((c for c in contract.CONVENTIONS if c in scores), key=scores.get)
@@ -324,7 +342,8 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
                    f"target layers {readings[conv].as_list()}")
   else:
     chosen = recorded or convention
-  return explanation + "; " + contract.judge_probe(scores, readings, chosen, where=where)
+  return (explanation + "; " + contract.judge_probe(scores, readings, chosen, where=where),
+          max(scores.values()) >= contract.PROBE_FLOOR)
 
 
 # How ``init_drafter`` starts the draft head: seeded random, or the target's (``_target_head``).
@@ -378,8 +397,9 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   drafter.capture_explanation = "initialised in eagle3jax"
   drafter.capture_record = None
   drafter.capture_check_skipped = False
+  drafter.capture_loaded_ids = cfg.capture.layer_ids
   drafter = _attach(drafter, target, mesh)
-  contract.mark_checked(drafter, target)
+  contract.mark_checked(drafter, target, vouched=True)
   return drafter
 
 
@@ -412,7 +432,8 @@ def _host(x) -> np.ndarray:
 
 
 def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
-                 target=None, calibration_ids=None, acceptance: dict | None = None) -> None:
+                 target=None, calibration_ids=None, acceptance: dict | None = None,
+                 dtype=None) -> None:
   """Writes ``config.json`` and ``model.safetensors`` in the public EAGLE-3 layout, and the
   capture record ``eagle3jax_record.json``.
 
@@ -438,8 +459,13 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     calibration_ids: token ids the record's features are taken at (default: seeded ids of the
       draft vocabulary; ``train_drafter`` passes training tokens).
     acceptance: held-out greedy acceptance length per tree shape ``{"steps,topk,tokens": x}``.
+    dtype: the float dtype the weights are stored in (``torch_dtype`` in ``config.json``;
+      ``d2t`` and ``t2d`` keep theirs). Default: the drafter's. The record's weights digest is
+      taken of the weights as stored.
   """
   model_kinds.require_drafter("save_drafter's drafter", drafter)
+  if dtype is not None:
+    checks.float_dtype("dtype", dtype)
   if target is not None:
     model_kinds.require_target("save_drafter's target", target)
   for k, v in (acceptance or {}).items():  # on every process, before anything is written
@@ -467,6 +493,15 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
           "target and capture"))
     else:
       contract.check_capture_unchanged(drafter, where)
+      if not contract.vouched_for(drafter, target):
+        raise ValueError(
+            "this drafter has no capture record, and nothing established that it drafts for "
+            "this target: it was not initialised for it (init_drafter), nor loaded for it "
+            "with its probe agreeing (load_drafter(path, target=...); a probe that warned "
+            "does not count, and neither does a copy, which starts unchecked). A record "
+            "written now would vouch for a pairing nobody checked, and every later load would "
+            "pass it. Load the drafter for this target first, or save it without target= "
+            "(no record)")
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
   r = drafter.kv_repeat
@@ -496,19 +531,22 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   }
   if include_embedding or drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
-  tensors = {key: np.ascontiguousarray(v) for key, v in tensors.items()}
+  store = np.dtype(dtype or drafter.dtype)
+  tensors = {key: np.ascontiguousarray(v if key in ("d2t", "t2d") else v.astype(store))
+             for key, v in tensors.items()}
   if target is not None:  # on every process: the record runs the target
     ids = (contract.default_calibration_ids(target, drafter) if calibration_ids is None
            else calibration_ids)
     old = dict(record.acceptance) if record is not None else {}
     record = contract.make_record(target, cfg.capture, ids, acceptance=old)
   if is_main_process():
-    _write(path, tensors, _hf_config(drafter), record, acceptance)
+    _write(path, tensors, _hf_config(drafter, store), record, acceptance)
   barrier("eagle3jax.save_drafter")
 
 
-def _hf_config(drafter: Eagle3Drafter) -> dict:
-  """The public ``config.json`` of a drafter (capture ids in the project convention)."""
+def _hf_config(drafter: Eagle3Drafter, dtype) -> dict:
+  """The public ``config.json`` of a drafter stored in ``dtype`` (capture ids in the project
+  convention)."""
   cfg = drafter.config
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
@@ -519,7 +557,7 @@ def _hf_config(drafter: Eagle3Drafter) -> dict:
       "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
       "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
       "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.feature_size,
-      "tie_word_embeddings": False, "torch_dtype": str(np.dtype(drafter.dtype)),
+      "tie_word_embeddings": False, "torch_dtype": str(np.dtype(dtype)),
       "rope_theta": cfg.rope.theta,
       "rope_scaling": cfg.rope.to_hf(),
       "eagle_config": {IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
@@ -528,13 +566,17 @@ def _hf_config(drafter: Eagle3Drafter) -> dict:
 
 
 def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None) -> None:
-  """Writes the drafter's files (process 0 only) and its record when it fits the capture."""
+  """Writes the drafter's files (process 0 only) and its record when it fits the capture,
+  with the digest of the weights written beside it."""
   os.makedirs(path, exist_ok=True)
   safetensors.numpy.save_file(tensors, os.path.join(path, "model.safetensors"))
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(hf, f, indent=2)
   if record is not None and record.capture == tuple(hf["eagle_config"][IDS_KEY]):
-    contract.write_record(path, record.with_acceptance(acceptance or {}))
+    digest = contract.weights_digest({name: contract.tensor_digest(t)
+                                      for name, t in tensors.items()})
+    contract.write_record(path, dataclasses.replace(
+        record.with_acceptance(acceptance or {}), weights=digest))
   elif os.path.exists(os.path.join(path, contract.RECORD_FILE)):
     os.remove(os.path.join(path, contract.RECORD_FILE))  # a stale record would mislead
 

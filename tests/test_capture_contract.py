@@ -4,6 +4,7 @@ detected, and no false alarm for a correct pair on the meshes and dtypes the tes
 import dataclasses
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -350,6 +351,85 @@ def test_save_never_launders_a_record(saved, target, tmp_path):
   dr.config = dataclasses.replace(dr.config, capture=TRAINED)
   eagle3jax.save_drafter(dr, str(tmp_path / "d"))
   assert contract.read_record(str(tmp_path / "d")).capture == TRAINED.layer_ids
+
+
+def test_a_record_is_written_only_for_a_pairing_that_was_checked(target, tmp_path):
+  """A drafter without a record gets one from save_drafter(target=X) only if it was
+  initialised for X or loaded for X with its probe agreeing: a drafter checked on one target
+  and saved for another, or one whose probe warned, used to get a record that then vouched
+  for the wrong pairing on every later load."""
+  other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)  # same shapes, other weights
+  for_target = str(tmp_path / "for_target")
+  eagle3jax.save_drafter(H.copy_drafter(target), for_target)  # no record
+  probed = eagle3jax.load_drafter(for_target, target=target)  # probe agrees
+  refused = "has no capture record, and nothing established that it drafts for this target"
+  with pytest.raises(ValueError, match=refused):
+    eagle3jax.save_drafter(probed, str(tmp_path / "a"), target=other)
+  eagle3jax.save_drafter(probed, str(tmp_path / "b"), target=target)  # the checked pairing
+  assert contract.read_record(str(tmp_path / "b")).capture == TRAINED.layer_ids
+  for_other = str(tmp_path / "for_other")
+  eagle3jax.save_drafter(H.copy_drafter(other), for_other)
+  with pytest.warns(contract.CaptureWarning):
+    warned = eagle3jax.load_drafter(for_other, target=target)
+  with pytest.raises(ValueError, match=refused):
+    eagle3jax.save_drafter(warned, str(tmp_path / "c"), target=target)
+  # A copy starts unchecked; serving it does not vouch for it either.
+  from flax import nnx
+  copy = nnx.clone(probed)
+  eagle3jax.generate(target, copy, [[5, 6, 7]], max_new_tokens=4, num_steps=3, eos_ids=[])
+  with pytest.raises(ValueError, match=refused):
+    eagle3jax.save_drafter(copy, str(tmp_path / "d"), target=target)
+  assert not any(os.path.exists(tmp_path / n) for n in "acd")
+
+
+def test_copies_of_a_recordless_drafter_keep_its_capture(target, tmp_path):
+  """The capture a drafter without a record was loaded with is an attribute, so a copy
+  (nnx.clone, split/merge) with its capture changed is refused like the original."""
+  from flax import nnx
+  path = str(tmp_path / "norecord")
+  eagle3jax.save_drafter(H.copy_drafter(target), path)
+  loaded = eagle3jax.load_drafter(path, target=target)
+  changed = "no capture record, and its capture was changed to \\[-1, 3, 5\\]"
+  for copy in (nnx.clone(loaded), nnx.merge(*nnx.split(loaded))):
+    copy.config = dataclasses.replace(copy.config, capture=eagle3jax.CaptureSpec((-1, 3, 5)))
+    with pytest.raises(ValueError, match=changed):
+      eagle3jax.generate(target, copy, [[5, 6, 7]], max_new_tokens=4, num_steps=3, eos_ids=[])
+    with pytest.raises(ValueError, match=changed):
+      eagle3jax.save_drafter(copy, str(tmp_path / "wrong"), target=target)
+  assert not os.path.exists(tmp_path / "wrong")
+
+
+def test_a_record_beside_other_weights_is_refused(saved, target, tmp_path):
+  """The record holds a digest of the weights it was written with: a folder whose safetensors
+  another tool wrote over keeps a record that vouches for weights it never saw."""
+  record = contract.read_record(saved)
+  assert re.fullmatch(r"[0-9a-f]{64}", record.weights)
+  other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)
+  elsewhere = str(tmp_path / "elsewhere")
+  eagle3jax.save_drafter(H.copy_drafter(other), elsewhere)
+  path = _copy(saved, tmp_path)
+  shutil.copy(os.path.join(elsewhere, "model.safetensors"), path)
+  with pytest.raises(ValueError, match=r"its capture record \(eagle3jax_record.json\) was "
+                                       r"written with other weights .*Delete "
+                                       r"eagle3jax_record.json"):
+    eagle3jax.load_drafter(path, target=target)
+  # One weight changed in place is enough; the shared embedding is not part of the digest.
+  path = _copy(saved, tmp_path / "x")
+  _rewrite_tensor(path, "norm.weight", lambda w: w * 1.5)
+  with pytest.raises(ValueError, match="written with other weights"):
+    eagle3jax.load_drafter(path, target=target)
+  path = _copy(saved, tmp_path / "y")
+  _rewrite_tensor(path, "embed_tokens.weight", lambda w: w)  # rewritten, same values
+  eagle3jax.load_drafter(path, target=target)
+  # A record of an older version, without the digest, still loads (and says so in the log).
+  path = _copy(saved, tmp_path / "z")
+  with open(os.path.join(path, contract.RECORD_FILE)) as f:
+    old = json.load(f)
+  del old["weights_digest"]
+  with open(os.path.join(path, contract.RECORD_FILE), "w") as f:
+    json.dump(old, f)
+  assert not contract.read_record(path).weights
+  eagle3jax.load_drafter(path, target=target)
 
 
 # --- the probe (drafters without a record) ------------------------------------------------

@@ -62,12 +62,16 @@ def test_shipped_pair_decodes_losslessly():
   codec = TextCodec(DEFAULT_TARGET)
   prompts = [codec.encode_prompt("def fibonacci(n):"),
              codec.encode_prompt("class Stack:\n    def __init__(self):")]
-  base = eagle3jax.generate(target, None, prompts, max_new_tokens=24, eos_ids=[])
-  spec = eagle3jax.generate(target, drafter, prompts, max_new_tokens=24, eos_ids=[],
+  base = eagle3jax.generate(target, None, prompts, max_new_tokens=48, eos_ids=[])
+  spec = eagle3jax.generate(target, drafter, prompts, max_new_tokens=48, eos_ids=[],
                             num_steps=5, topk=1)
   assert spec.tokens == base.tokens
-  assert spec.stats["accept_length_mean"] > 1.5  # the trained drafter is right often
+  print(f"\nshipped pair, (5, 1, 6), 2 prompts: accept length {spec.stats['accept_length_mean']}")
+  # 3.46 measured (AMD EPYC, 2026-12-06); the drafter's features taken one position off in
+  # the commit gave 2.94 with the output still lossless, so the floor sits between them.
+  assert spec.stats["accept_length_mean"] >= 3.25
   assert "capture record verified" in drafter.capture_explanation
+  assert drafter.capture_record.weights  # the record names the weights it vouches for
   assert spec.stats["accept_length_recorded"] == 4.4526  # held-out, at (5, 1, 6)
 
 
