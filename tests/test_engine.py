@@ -4,6 +4,7 @@ import collections
 import gc
 import importlib
 
+import jax
 import pytest
 
 import eagle3jax
@@ -58,11 +59,26 @@ def test_greedy_on_a_mesh_equals_single_device(baseline, mesh_shape, steps, topk
   assert out.tokens == baseline.tokens
 
 
-def test_pallas_kernel_in_engine_matches_xla(pair, baseline):
+def test_pallas_kernel_in_engine_matches_xla(pair, baseline, monkeypatch):
+  """The engine through the Pallas kernel (interpret mode) emits the XLA path's tokens, on a
+  chain and on a branching tree; the kernel is counted, so a fallback to XLA fails."""
+  from eagle3jax import kernels
   tgt, dr = pair
-  out = eagle3jax.generate(tgt, dr, h.PROMPTS[:1], max_new_tokens=8, num_steps=3, topk=1,
-                           eos_ids=[], attention_impl="pallas_interpret")
-  assert out.tokens == [baseline.tokens[0][:8]]
+  calls = []
+  real = kernels.tree_attention_sharded
+
+  def counted(*args, **kwargs):
+    calls.append(kwargs.get("interpret"))
+    return real(*args, **kwargs)
+  monkeypatch.setattr(kernels, "tree_attention_sharded", counted)
+  jax.clear_caches()  # programs traced earlier in this process would not call it again
+  for topk, tokens in ((1, 4), (3, 8)):
+    calls.clear()
+    out = eagle3jax.generate(tgt, dr, h.PROMPTS[:1], max_new_tokens=8, num_steps=3,
+                             topk=topk, num_draft_tokens=tokens, eos_ids=[],
+                             attention_impl="pallas_interpret")
+    assert out.tokens == [baseline.tokens[0][:8]]
+    assert calls and all(calls), (topk, calls)
 
 
 def test_eos_and_finished_rows(pair, baseline):

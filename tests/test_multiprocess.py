@@ -170,8 +170,10 @@ def test_training_killed_and_resumed_across_processes(tmp_path):
   hf_models.make_checkpoint(target, "llama", layers=4)  # 2 KV heads: replicated for tensor=4
   rng = np.random.default_rng(0)
   prompts = tmp_path / "prompts.json"
+  # 7 sequences in batches of 4: a checkpoint at step 3 or 6 sits mid-epoch (cursor 5 or 3),
+  # so a resume that lost the data cursor would train on other batches.
   prompts.write_text(json.dumps([rng.integers(3, 97, int(rng.integers(3, 8))).tolist()
-                                 for _ in range(6)]))
+                                 for _ in range(7)]))
   steps = 12
 
   def argv(out):  # data=2: batches (and regeneration) split across the two processes

@@ -366,8 +366,10 @@ def test_loss_falls_on_fixed_batch_and_embedding_stays_frozen(target, data):
 
 
 def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
-  rng = np.random.default_rng(5)  # more sequences than a batch: the data cursor matters
-  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(6)]
+  # 7 sequences in batches of 4: the checkpoint of step 3 sits mid-epoch (cursor 5), so a
+  # resume that lost the data cursor would train on other batches.
+  rng = np.random.default_rng(5)
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(7)]
   d = training.build_training_data(target, prompts, seq_len=SEQ_LEN, max_new_tokens=24)
   n, k = 7, 4
   cfg = training.TrainConfig(**{**CFG.__dict__, "checkpoint_every": 3})
@@ -380,7 +382,7 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   del first  # killed after step 4: its step-4 work is lost
   resumed = training.Trainer(target, _drafter(target, d, seed=99), d, cfg,
                              checkpoint_dir=ckpt)
-  assert resumed.step == 3
+  assert resumed.step == 3 and resumed.position == training.DataPosition(1, 5)
   got = got[:3] + [r["loss"] for r in resumed.train(n - 3, progress=False)]
   assert resumed.step == n
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
