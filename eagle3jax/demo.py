@@ -389,6 +389,15 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   from eagle3jax.training import train_drafter
 
   drafter_dir = os.path.join(out_dir, "drafter")
+  # Its first write is the export after training: a folder that cannot take it is named now,
+  # not after the regeneration and training (35-50 minutes).
+  try:
+    os.makedirs(drafter_dir, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"the drafter's folder {drafter_dir!r} cannot be created ({e}); remove "
+                     "what is in the way or choose another --out") from None
+  if not os.access(drafter_dir, os.W_OK):
+    raise ValueError(f"the drafter's folder {drafter_dir!r} is not writable")
   if train_texts is None:
     train_texts = read_split(read_manifest(out_dir), "train")
   target, tok = load_demo_target(out_dir)

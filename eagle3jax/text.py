@@ -22,7 +22,7 @@ class TextCodec:
     tok_path = os.path.join(path, "tokenizer.json")
     if not os.path.exists(tok_path):
       raise ValueError(f"{path!r} has no tokenizer.json to encode text with; pass token ids "
-                       "(--prompt-ids) instead")
+                       "instead of text")
     try:
       self.tokenizer = Tokenizer.from_file(tok_path)
     except Exception as e:  # the tokenizers package raises a bare Exception
@@ -52,6 +52,11 @@ class TextCodec:
         self.chat_template = f.read()
 
   def encode_prompt(self, text: str) -> list[int]:
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError as e:  # undecodable bytes kept as lone surrogates (\udcff)
+      raise ValueError(f"the prompt is not valid UTF-8 text (character {e.start}: "
+                       f"{text[e.start]!r}); pass UTF-8 text, or token ids") from None
     if self.chat_template:
       import jinja2  # pylint: disable=import-outside-toplevel
       import jinja2.sandbox  # pylint: disable=import-outside-toplevel

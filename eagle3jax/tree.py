@@ -25,6 +25,13 @@ from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows
 
 
+# The draft loop is unrolled when traced (one drafter pass per level), so its compile time
+# grows with the depth; EAGLE-3 drafts 3-8 levels. The candidate pool is held per row in every
+# round. Past these a tree is refused before anything compiles.
+MAX_STEPS = 64
+MAX_POOL = 1 << 16
+
+
 def max_draft_tokens(num_steps: int, topk: int) -> int:
   """The most tokens a tree of ``num_steps`` levels and ``topk`` branching can verify, root
   included: ``1 + topk + (num_steps - 1) * topk**2`` (its candidate pool plus the root)."""
@@ -46,6 +53,14 @@ class TreeShape:
       raise ValueError(f"num_steps={self.num_steps} must be >= 1")
     if self.topk < 1:
       raise ValueError(f"topk={self.topk} must be >= 1")
+    if self.num_steps > MAX_STEPS:
+      raise ValueError(f"num_steps={self.num_steps}: at most {MAX_STEPS} drafted levels (the "
+                       "draft loop is unrolled when compiled, so its compile time grows with "
+                       "the depth; EAGLE-3 drafts 3-8)")
+    if self.pool_size > MAX_POOL:
+      raise ValueError(f"num_steps={self.num_steps}, topk={self.topk}: a candidate pool of "
+                       f"{self.pool_size} tokens (topk + (num_steps - 1) * topk**2), more than "
+                       f"{MAX_POOL}; lower topk or num_steps")
     if not 2 <= self.num_draft_tokens <= self.pool_size + 1:
       raise ValueError(
           f"num_draft_tokens={self.num_draft_tokens} must be between 2 and "

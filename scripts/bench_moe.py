@@ -20,6 +20,8 @@ def main() -> int:
   args = p.parse_args()
   try:
     experts = parse_ints(args.experts, "--experts")
+    if min(experts) < 1:
+      raise ValueError(f"--experts {args.experts!r}: every expert count must be at least 1")
     if args.json:
       check_writable(args.json, "--json")
     result = moe_scaling(experts, args.top_k, args.hidden, args.ffn, args.repeats)

@@ -97,9 +97,14 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
   return p
 
 
-def _read_ids_file(path: str, flag: str) -> list[list[int]]:
+def _need_file(path: str, flag: str) -> None:
   if not os.path.isfile(path):
-    raise ValueError(f"{flag} {path!r} does not exist")
+    raise ValueError(f"{flag} {path!r} " + ("is a folder; give a file" if os.path.isdir(path)
+                                            else "does not exist"))
+
+
+def _read_ids_file(path: str, flag: str) -> list[list[int]]:
+  _need_file(path, flag)
   with open(path) as f:
     try:
       prompts = json.load(f)
@@ -117,8 +122,7 @@ def _read_ids_file(path: str, flag: str) -> list[list[int]]:
 def _read_prompts(args) -> list[list[int]]:
   if args.prompt_ids_file:
     return _read_ids_file(args.prompt_ids_file, "--prompt-ids-file")
-  if not os.path.isfile(args.prompts):
-    raise ValueError(f"--prompts {args.prompts!r} does not exist")
+  _need_file(args.prompts, "--prompts")
   tok_path = os.path.join(args.target, "tokenizer.json")
   if not os.path.isfile(tok_path):
     raise ValueError(f"--prompts needs {tok_path}; give --prompt-ids-file instead")
@@ -140,8 +144,7 @@ def _read_prompts(args) -> list[list[int]]:
 def _train_config(args, train_config_cls):
   values = {}
   if args.config:
-    if not os.path.isfile(args.config):
-      raise ValueError(f"--config {args.config!r} does not exist")
+    _need_file(args.config, "--config")
     with open(args.config) as f:
       try:
         values = json.load(f)

@@ -208,3 +208,10 @@ def test_make_demo_script_builds_a_pair_that_loads(tmp_path, monkeypatch, caplog
     points = json.load(f)["curve"]
   assert [p["step"] for p in points] == [4] and (tmp_path / "curve.png").exists()
   assert 1.0 <= points[0]["accept_length"] <= 8.0
+
+
+def test_make_drafter_names_an_unusable_drafter_folder_before_training(tmp_path):
+  # Its first write used to be the export after regeneration and training (35-50 minutes).
+  (tmp_path / "drafter").write_text("x")
+  with pytest.raises(ValueError, match=r"the drafter's folder .*drafter' cannot be created"):
+    demo.make_drafter(str(tmp_path))  # no manifest or target here: refused before either

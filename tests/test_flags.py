@@ -56,6 +56,9 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
      "--json '/nonexistent-dir/m.json': folder '/nonexistent-dir' does not exist"),
     ("scripts/bench_moe.py", ["--experts", "4", "--top-k", "8"],
      "bench_moe.py: error: RoutingConfig: top_k=8 must be"),
+    # Said as a routing-groups error before.
+    ("scripts/bench_moe.py", ["--experts", "0,4"],
+     "--experts '0,4': every expert count must be at least 1"),
     ("scripts/bench_compile.py", ["--depths", "2,4"], "depths=[2, 4] must be layer counts >= 3"),
     ("scripts/bench_compile.py", ["--json", "tests"], "--json 'tests' is a folder"),
     ("scripts/bench_kernel.py", ["--small", "--interpret", "--out", "/nonexistent-dir/k.json"],

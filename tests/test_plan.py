@@ -161,6 +161,19 @@ def test_script_json_and_errors(tmp_path):
   bad = subprocess.run([sys.executable, "scripts/plan.py", "--config", str(cfg), "--mesh", "x"],
                        capture_output=True, text=True, timeout=60, check=False)
   assert bad.returncode == 2 and "--mesh" in bad.stderr
+  # Files that are not a JSON object are named with their flag (a list gave an
+  # AttributeError traceback, bad JSON a message that named no file).
+  (tmp_path / "list.json").write_text("[1, 2]")
+  (tmp_path / "bad.json").write_text("{bad")
+  for argv, message in (
+      (["--config", str(cfg), "--drafter-config", str(tmp_path / "list.json")],
+       f"--drafter-config {str(tmp_path / 'list.json')!r} must hold a JSON object"),
+      (["--config", str(tmp_path / "bad.json")],
+       f"--config {str(tmp_path / 'bad.json')!r} is not JSON")):
+    bad = subprocess.run([sys.executable, "scripts/plan.py", *argv, "--mesh", "1,1",
+                          "--no-cost"], capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+    assert "Traceback" not in bad.stderr
 
 
 def _published(name):

@@ -100,3 +100,11 @@ def test_unreadable_tokenizer_files_are_named(tmp_path):
   os.remove(tmp_path / "tokenizer.json")
   with pytest.raises(ValueError, match=r"has no tokenizer.json .* pass token ids"):
     TextCodec(str(tmp_path))
+
+
+def test_a_prompt_that_is_not_utf8_is_named():
+  # Undecodable bytes of a command line arrive as lone surrogates; tokenizers raised a bare
+  # TypeError on them, which decode.py did not catch.
+  codec = TextCodec("models/default/target")
+  with pytest.raises(ValueError, match=r"not valid UTF-8 text \(character 3: '\\udcff'\)"):
+    codec.encode_prompt("abc\udcff")

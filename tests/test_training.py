@@ -693,6 +693,8 @@ def test_script_heldout_prompts_are_checked(tmp_path, capsys):
      "--target '/nonexistent' is not a directory"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "/nonexistent.json"],
      "--prompt-ids-file '/nonexistent.json' does not exist"),
+    (["--target", ".", "--out", "o", "--prompts", "tests"],  # said "does not exist" before
+     "--prompts 'tests' is a folder; give a file"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--mesh", "2"],
      "--mesh '2': expected DATA,TENSOR"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--warmup-steps", "5000"],

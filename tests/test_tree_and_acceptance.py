@@ -55,6 +55,13 @@ def test_tree_shape_errors():
     tree_lib.TreeShape(2, 2, 9)
   with pytest.raises(ValueError, match="topk=0"):
     tree_lib.TreeShape(2, 0, 2)
+  # Before these limits, 2000 levels compiled for minutes and 10**8 ended in an int32
+  # overflow deep inside the cache update.
+  with pytest.raises(ValueError, match="num_steps=2000: at most 64 drafted levels"):
+    tree_lib.TreeShape(2000, 1, 2001)
+  with pytest.raises(ValueError, match=r"a candidate pool of 3750500 tokens .* more than 65536"):
+    tree_lib.TreeShape(16, 500, 8)
+  tree_lib.TreeShape(64, 1, 65)  # the limits themselves are allowed
 
 
 def _logits_with_argmax(argmax, vocab=20):
