@@ -32,6 +32,9 @@ def main() -> int:
   args = p.parse_args()
   try:
     check_writable(args.out, "--out")  # before the run, not after it
+    if os.path.splitext(args.out)[1].lower() == ".png":
+      raise ValueError(f"--out {args.out!r} is where the JSON goes, and the plot goes beside "
+                       "it with .png: the plot would overwrite it. Give a .json path")
     needs = {"matplotlib": "the plot"}
     if not args.no_transformers:
       needs.update(torch="the transformers baseline, or pass --no-transformers",

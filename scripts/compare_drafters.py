@@ -7,6 +7,7 @@ top-2 logit gap and by position in the response."""
 
 import argparse
 import json
+import os
 import sys
 
 from eagle3jax.capture_contract import tree_key
@@ -69,6 +70,14 @@ def main() -> int:
     if args.json:
       check_writable(args.json, "--json")  # before the run, not after it
     shapes = _parse_shapes(args.shapes)
+    seen = {}
+    for d in args.drafters:  # all named now, not after the drafters before them are measured
+      if not os.path.isfile(os.path.join(d, "config.json")):
+        raise ValueError(f"drafter folder {d!r} has no config.json")
+      key = os.path.realpath(d)
+      if key in seen:
+        raise ValueError(f"drafter folders {seen[key]!r} and {d!r} are the same folder")
+      seen[key] = d
     loaded = load_demo_target(args.demo_dir)  # one target for both measurements
     result = compare_drafters(args.demo_dir, args.drafters, num_prompts=args.prompts,
                               seed=args.seed, shapes=shapes,

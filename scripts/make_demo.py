@@ -38,6 +38,10 @@ def main() -> int:
     cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
     check_drafter_recipe(cfg)
     check_writable(args.curve, "--curve")
+    if args.state_dir and not args.drafter_only:
+      raise ValueError("--state-dir keeps a drafter-only run's data and checkpoints; a full "
+                       "rebuild retrains the target, so that data would not fit it. Add "
+                       "--drafter-only, or drop --state-dir")
     if cfg.heldout_every:  # a learning curve to plot
       require_modules({"matplotlib": "the learning curve's plot"}, "pip install -e '.[bench]'")
     log = lambda m: print(m, flush=True)  # noqa: E731

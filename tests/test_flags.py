@@ -46,6 +46,16 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
     ("scripts/compare_drafters.py", ["d", "--json", "/nonexistent-dir/x.json"],
      "--json '/nonexistent-dir/x.json': folder '/nonexistent-dir' does not exist"),
     ("scripts/bench.py", ["--out", "tests"], "--out 'tests' is a folder"),
+    # The plot beside it used to overwrite the JSON.
+    ("scripts/bench.py", ["--out", "/tmp/b.png"], "--out '/tmp/b.png' is where the JSON goes"),
+    # A typo in a later folder used to fail only after the earlier drafters were measured.
+    ("scripts/compare_drafters.py", ["models/default/drafter", "/nonexistent"],
+     "drafter folder '/nonexistent' has no config.json"),
+    ("scripts/compare_drafters.py", ["models/default/drafter", "models/default/drafter/"],
+     "drafter folders 'models/default/drafter' and 'models/default/drafter/' are the same"),
+    # Ignored without --drafter-only before.
+    ("scripts/make_demo.py", ["--state-dir", "/tmp/s", "--curve", "/tmp/c.json"],
+     "--state-dir keeps a drafter-only run's data"),
     # A batch larger than the prompts used to run on fewer rows under the larger label.
     ("scripts/bench.py", ["--prompts", "1", "--batches", "1,4", "--out", "/tmp/b.json"],
      "a batch of 4 needs at least that many prompts, but --prompts is 1"),
