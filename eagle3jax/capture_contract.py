@@ -234,7 +234,10 @@ def mark_checked(drafter, target, *, vouched: bool = False) -> None:
       continue
     entries.append(e)
   entries.append((_target_key(target), capture, record, vouched))
-  _CHECKED[drafter] = entries[-CHECKED_PER_DRAFTER:]
+  while len(entries) > CHECKED_PER_DRAFTER:  # the oldest served-only entry goes first
+    drop = next((i for i, e in enumerate(entries) if not e[3]), 0)
+    del entries[drop]
+  _CHECKED[drafter] = entries
 
 
 def vouched_for(drafter, target) -> bool:
@@ -272,13 +275,15 @@ def check_served(target, drafter, where: str = "the drafter passed to generate")
           f"initialised for), not this target's: it would embed tokens with a table this "
           f"target does not use. Load (load_drafter) or initialise (init_drafter) it with "
           f"target= this target")
+  vouched = False
   if record is not None:
     if not getattr(drafter, "capture_check_skipped", False):
       verify_record(record, target, capture, where=where,
                     hint="load it for this target with load_drafter(path, target=...)")
+      vouched = True
   else:
     check_capture_unchanged(drafter, where)
-  mark_checked(drafter, target)
+  mark_checked(drafter, target, vouched=vouched)
 
 
 def check_capture_unchanged(drafter, where: str) -> None:
@@ -404,6 +409,8 @@ class CaptureRecord:
     weights: digest (``weights_digest``) of the drafter weights the record was written with,
       so a record left beside weights another tool wrote over is refused. Empty in records
       written before it was recorded (and in records not yet written to a folder).
+    weights_embedding: whether the digest covers the token embedding (the drafter owned it);
+      otherwise the file's embedding, if any, was the target's table.
   """
   capture: tuple[int, ...]
   calibration_ids: tuple[int, ...]
@@ -415,6 +422,7 @@ class CaptureRecord:
   target_layers: int = 0
   lm_head: tuple = ()
   weights: str = ""
+  weights_embedding: bool = False
 
   def acceptance_for(self, steps: int, topk: int, tokens: int) -> float | None:
     return dict(self.acceptance).get(tree_key(steps, topk, tokens))
@@ -435,7 +443,8 @@ class CaptureRecord:
                                    "final_norm": r(self.final_norm),
                                    **({"lm_head": r(self.lm_head)} if self.lm_head else {})},
             "heldout_acceptance": dict(self.acceptance),
-            **({"weights_digest": self.weights} if self.weights else {})}
+            **({"weights_digest": self.weights,
+                "weights_digest_embedding": self.weights_embedding} if self.weights else {})}
 
   @classmethod
   def from_json(cls, d: dict, where: str) -> "CaptureRecord":
@@ -473,19 +482,24 @@ class CaptureRecord:
       weights = d.get("weights_digest", "")
       if not (isinstance(weights, str) and re.fullmatch(r"([0-9a-f]{64})?", weights)):
         raise ValueError(f"weights_digest {weights!r} is not 64 hex digits")
+      weights_embedding = d.get("weights_digest_embedding", False)
+      if not isinstance(weights_embedding, bool):
+        raise ValueError(f"weights_digest_embedding {weights_embedding!r} is not true or false")
       return cls(capture, ids, seed, tuple(tuple(map(tuple, f.tolist())) for f in feats),
                  tuple(map(tuple, emb.tolist())), tuple(norm.tolist()),
                  tuple(sorted(acceptance.items())), layers,
-                 () if head is None else tuple(map(tuple, head.tolist())), weights)
+                 () if head is None else tuple(map(tuple, head.tolist())), weights,
+                 weights_embedding)
     except (AttributeError, KeyError, TypeError, ValueError, OverflowError) as e:
       why = f"missing field {e}" if isinstance(e, KeyError) else str(e)
       raise ValueError(f"{where} is not a valid eagle3jax capture record ({why}); delete it to "
                        "load the drafter with the probe instead") from None
 
 
-# The shared token embedding is not in the digest: it is the target's table (checked against
-# the target on load and when served), and engines that share it drop it from the file.
-UNDIGESTED = ("embed_tokens.weight",)
+# A shared token embedding is not in the digest: it is the target's table (checked against
+# the target on load and when served), and engines that share it drop it from the file. A
+# drafter's own embedding is one of its weights and is digested.
+EMBEDDING_WEIGHT = "embed_tokens.weight"
 
 
 def tensor_digest(array: np.ndarray) -> str:
@@ -496,11 +510,12 @@ def tensor_digest(array: np.ndarray) -> str:
   return h.hexdigest()
 
 
-def weights_digest(tensor_digests: dict[str, str]) -> str:
-  """Digest of a drafter file's weights from ``{name: tensor_digest}`` (``UNDIGESTED`` names
-  left out): what ``CaptureRecord.weights`` holds."""
+def weights_digest(tensor_digests: dict[str, str], *, own_embedding: bool) -> str:
+  """Digest of a drafter file's weights from ``{name: tensor_digest}``, the token embedding
+  included only when the drafter owns it: what ``CaptureRecord.weights`` holds."""
   h = hashlib.sha256()
-  for name in sorted(set(tensor_digests) - set(UNDIGESTED)):
+  names = set(tensor_digests) - (set() if own_embedding else {EMBEDDING_WEIGHT})
+  for name in sorted(names):
     h.update(f"{name}={tensor_digests[name]};".encode())
   return h.hexdigest()
 
@@ -513,8 +528,8 @@ def check_weights(record: CaptureRecord, digest: str, where: str) -> None:
         f"the folder's safetensors now hold (weights digest {record.weights[:12]}... recorded, "
         f"{digest[:12]}... found): the drafter was re-exported over it by another tool or "
         f"copied in by hand, and the record would vouch for weights it never saw. Delete "
-        f"{RECORD_FILE} to load the drafter with the probe instead, or save it again with "
-        f"save_drafter(..., target=...) to take a record of these weights")
+        f"{RECORD_FILE} to load the drafter with the probe instead (then save_drafter(..., "
+        f"target=...) takes a record of these weights if the probe agrees)")
 
 
 def check_acceptance(key, value) -> None:

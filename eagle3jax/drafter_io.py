@@ -279,7 +279,12 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
     raise ValueError(f"{where} has unexpected weights {extra[:8]}")
   if record is not None:
     if record.weights:
-      contract.check_weights(record, contract.weights_digest(digests), where)
+      emb = contract.EMBEDDING_WEIGHT
+      if record.weights_embedding and emb in tensors and emb not in digests:
+        digests[emb] = contract.tensor_digest(tensors.get(emb))
+      contract.check_weights(
+          record, contract.weights_digest(digests, own_embedding=record.weights_embedding),
+          where)
     else:
       log.warning("%s: its capture record predates weights digests, so nothing ties it to "
                   "these weights; save the drafter again (save_drafter) to record them", where)
@@ -295,6 +300,14 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
                 "drafter was trained on, acceptance collapses without any other sign", where,
                 drafter.config.capture.as_list())
   # Attributes, so nnx copies (clone, split/merge) keep them.
+  if (record is not None and record.weights and not record.weights_embedding and own
+      and verify_capture):
+    # The record verified this target, and was written with its table as the embedding.
+    raise ValueError(
+        f"{where}: its capture record was written with the target's token embedding "
+        f"(shared), but the file's {contract.EMBEDDING_WEIGHT} is not this target's table: it "
+        f"was changed after the record was written. Put the target's table back, or delete "
+        f"{contract.RECORD_FILE} to load the drafter with the probe instead")
   drafter.capture_check_skipped = not verify_capture
   drafter.capture_loaded_ids = drafter.config.capture.layer_ids
   contract.mark_checked(drafter, target, vouched=vouched)
@@ -307,8 +320,8 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
             where) -> tuple[str, bool]:
   """The load-time capture check (record, else probe); may settle an ``"auto"`` reading.
   Returns the explanation and whether the check vouches for the pairing (a verified record,
-  or a probe above ``PROBE_FLOOR``: below it the probe warns that the drafter was probably
-  trained for another target)."""
+  or the reading taken scoring at least ``PROBE_FLOOR`` in the probe: below it the drafter was
+  probably trained for another target)."""
   ids, recorded = contract.config_ids(hf)
   ambiguous = ids is not None and recorded is None and convention == "auto"
   if record is not None:
@@ -332,7 +345,7 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
     only = {"configured": capture}
     scores = contract.probe_capture(target, drafter, only)
     return (explanation + "; " + contract.judge_probe(scores, only, "configured", where=where),
-            max(scores.values()) >= contract.PROBE_FLOOR)
+            scores["configured"] >= contract.PROBE_FLOOR)
   scores = contract.probe_capture(target, drafter, readings)
   if ambiguous:
     conv = max((c for c in contract.CONVENTIONS if c in scores), key=scores.get)
@@ -343,7 +356,7 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
   else:
     chosen = recorded or convention
   return (explanation + "; " + contract.judge_probe(scores, readings, chosen, where=where),
-          max(scores.values()) >= contract.PROBE_FLOOR)
+          scores.get(chosen, 0.0) >= contract.PROBE_FLOOR)
 
 
 # How ``init_drafter`` starts the draft head: seeded random, or the target's (``_target_head``).
@@ -489,19 +502,24 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
           "it without target= (no record)")
     if record is not None:  # a fresh record must not vouch for what the old one refuses
       contract.verify_record(record, target, cfg.capture, where=where, hint=(
-          "set drafter.capture_record = None first if the drafter was retrained for this "
-          "target and capture"))
+          "if the drafter was retrained for this target and capture, set "
+          "drafter.capture_record = None: the save then probes it on this target"))
     else:
       contract.check_capture_unchanged(drafter, where)
       if not contract.vouched_for(drafter, target):
-        raise ValueError(
-            "this drafter has no capture record, and nothing established that it drafts for "
-            "this target: it was not initialised for it (init_drafter), nor loaded for it "
-            "with its probe agreeing (load_drafter(path, target=...); a probe that warned "
-            "does not count, and neither does a copy, which starts unchecked). A record "
-            "written now would vouch for a pairing nobody checked, and every later load would "
-            "pass it. Load the drafter for this target first, or save it without target= "
-            "(no record)")
+        # Not initialised for this target, nor loaded for it with its probe agreeing (a copy
+        # starts unchecked): probe it now, as a load would, before a record vouches for it.
+        scores = contract.probe_capture(target, drafter, {"configured": cfg.capture})
+        if scores["configured"] < contract.PROBE_FLOOR:
+          raise ValueError(
+              f"this drafter has no capture record and was not initialised or loaded for this "
+              f"target; probed on it now, it predicts the target's next token "
+              f"{scores['configured']:.2f} of the time with capture "
+              f"{cfg.capture.as_list()} (a drafter trained on this target scores about 0.7). "
+              f"A record written now would vouch for a pairing it does not have, and every "
+              f"later load would pass it: save it for the target it was trained for, or "
+              f"without target= (no record)")
+        contract.mark_checked(drafter, target, vouched=True)
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
   r = drafter.kv_repeat
@@ -540,7 +558,8 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     old = dict(record.acceptance) if record is not None else {}
     record = contract.make_record(target, cfg.capture, ids, acceptance=old)
   if is_main_process():
-    _write(path, tensors, _hf_config(drafter, store), record, acceptance)
+    _write(path, tensors, _hf_config(drafter, store), record, acceptance,
+           own_embedding=drafter.own_embedding)
   barrier("eagle3jax.save_drafter")
 
 
@@ -565,7 +584,8 @@ def _hf_config(drafter: Eagle3Drafter, dtype) -> dict:
   }
 
 
-def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None) -> None:
+def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None, *,
+           own_embedding: bool) -> None:
   """Writes the drafter's files (process 0 only) and its record when it fits the capture,
   with the digest of the weights written beside it."""
   os.makedirs(path, exist_ok=True)
@@ -574,9 +594,11 @@ def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None) 
     json.dump(hf, f, indent=2)
   if record is not None and record.capture == tuple(hf["eagle_config"][IDS_KEY]):
     digest = contract.weights_digest({name: contract.tensor_digest(t)
-                                      for name, t in tensors.items()})
+                                      for name, t in tensors.items()},
+                                     own_embedding=own_embedding)
     contract.write_record(path, dataclasses.replace(
-        record.with_acceptance(acceptance or {}), weights=digest))
+        record.with_acceptance(acceptance or {}), weights=digest,
+        weights_embedding=own_embedding))
   elif os.path.exists(os.path.join(path, contract.RECORD_FILE)):
     os.remove(os.path.join(path, contract.RECORD_FILE))  # a stale record would mislead
 

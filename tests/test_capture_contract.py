@@ -355,14 +355,17 @@ def test_save_never_launders_a_record(saved, target, tmp_path):
 
 def test_a_record_is_written_only_for_a_pairing_that_was_checked(target, tmp_path):
   """A drafter without a record gets one from save_drafter(target=X) only if it was
-  initialised for X or loaded for X with its probe agreeing: a drafter checked on one target
-  and saved for another, or one whose probe warned, used to get a record that then vouched
-  for the wrong pairing on every later load."""
+  initialised for X, loaded for X with its probe agreeing, or agrees with X when probed at
+  the save: a drafter checked on one target and saved for another, or one whose probe
+  warned, used to get a record that then vouched for the wrong pairing on every later
+  load."""
+  from flax import nnx
   other = eagle3jax.init_target(H.CFG, seed=7, std=0.1)  # same shapes, other weights
   for_target = str(tmp_path / "for_target")
   eagle3jax.save_drafter(H.copy_drafter(target), for_target)  # no record
   probed = eagle3jax.load_drafter(for_target, target=target)  # probe agrees
-  refused = "has no capture record, and nothing established that it drafts for this target"
+  refused = (r"no capture record and was not initialised or loaded for this target; probed "
+             r"on it now, it predicts the target's next token 0\.\d\d of the time")
   with pytest.raises(ValueError, match=refused):
     eagle3jax.save_drafter(probed, str(tmp_path / "a"), target=other)
   eagle3jax.save_drafter(probed, str(tmp_path / "b"), target=target)  # the checked pairing
@@ -373,13 +376,24 @@ def test_a_record_is_written_only_for_a_pairing_that_was_checked(target, tmp_pat
     warned = eagle3jax.load_drafter(for_other, target=target)
   with pytest.raises(ValueError, match=refused):
     eagle3jax.save_drafter(warned, str(tmp_path / "c"), target=target)
-  # A copy starts unchecked; serving it does not vouch for it either.
-  from flax import nnx
-  copy = nnx.clone(probed)
-  eagle3jax.generate(target, copy, [[5, 6, 7]], max_new_tokens=4, num_steps=3, eos_ids=[])
-  with pytest.raises(ValueError, match=refused):
-    eagle3jax.save_drafter(copy, str(tmp_path / "d"), target=target)
+  with pytest.raises(ValueError, match=refused):  # a copy starts unchecked: probed, refused
+    eagle3jax.save_drafter(nnx.clone(warned), str(tmp_path / "d"), target=target)
   assert not any(os.path.exists(tmp_path / n) for n in "acd")
+  # A copy of a drafter that does agree is probed at the save and gets its record.
+  eagle3jax.save_drafter(nnx.clone(probed), str(tmp_path / "e"), target=target)
+  assert eagle3jax.load_drafter(str(tmp_path / "e"), target=target).capture_record
+
+
+def test_the_pairing_a_drafter_was_created_for_outlives_serving_it_elsewhere(target, tmp_path):
+  """Of the last 4 targets remembered per drafter, the ones served only go first: a random
+  drafter initialised for its target (which no probe would vouch for) still saves with a
+  record for it after being served with 4 other target objects."""
+  mine = H.target()
+  dr = H.random_drafter(mine)
+  for t in [H.target() for _ in range(4)] + [mine]:
+    eagle3jax.generate(t, dr, [[5, 6, 7]], max_new_tokens=4, num_steps=3, eos_ids=[])
+  eagle3jax.save_drafter(dr, str(tmp_path / "d"), target=mine)
+  assert contract.read_record(str(tmp_path / "d")).capture == dr.config.capture.layer_ids
 
 
 def test_copies_of_a_recordless_drafter_keep_its_capture(target, tmp_path):
@@ -421,6 +435,22 @@ def test_a_record_beside_other_weights_is_refused(saved, target, tmp_path):
   path = _copy(saved, tmp_path / "y")
   _rewrite_tensor(path, "embed_tokens.weight", lambda w: w)  # rewritten, same values
   eagle3jax.load_drafter(path, target=target)
+  # A drafter's own embedding is one of its weights: it is in the digest.
+  own = str(tmp_path / "own")
+  eagle3jax.save_drafter(H.copy_drafter(target), own, target=target)
+  _rewrite_tensor(own, "embed_tokens.weight", lambda w: w + 0.5)
+  with pytest.raises(ValueError, match=r"record was written with the target's token "
+                                       r"embedding \(shared\), but the file's "
+                                       r"embed_tokens.weight is not this target's table"):
+    eagle3jax.load_drafter(own, target=target)  # the shared table, edited
+  os.remove(os.path.join(own, contract.RECORD_FILE))
+  owned = eagle3jax.load_drafter(own, target=target)
+  assert owned.own_embedding
+  eagle3jax.save_drafter(owned, own, target=target)  # probed at the save: it agrees
+  eagle3jax.load_drafter(own, target=target)
+  _rewrite_tensor(own, "embed_tokens.weight", lambda w: w * 0.5)
+  with pytest.raises(ValueError, match="written with other weights"):
+    eagle3jax.load_drafter(own, target=target)
   # A record of an older version, without the digest, still loads (and says so in the log).
   path = _copy(saved, tmp_path / "z")
   with open(os.path.join(path, contract.RECORD_FILE)) as f:
