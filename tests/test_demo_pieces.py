@@ -22,7 +22,7 @@ from eagle3jax import demo
 from eagle3jax import monitor
 from eagle3jax.safetensors_io import SafetensorsFile
 from eagle3jax.hf_export import save_target
-from eagle3jax.training.lm import LMTrainConfig, train_lm
+from eagle3jax.training.lm import LMTrainConfig, batches, train_lm
 from tests.script_loader import load_script
 
 
@@ -215,3 +215,14 @@ def test_make_drafter_names_an_unusable_drafter_folder_before_training(tmp_path)
   (tmp_path / "drafter").write_text("x")
   with pytest.raises(ValueError, match=r"the drafter's folder .*drafter' cannot be created"):
     demo.make_drafter(str(tmp_path))  # no manifest or target here: refused before either
+
+
+def test_lm_windows_of_a_stream_of_exactly_one_window():
+  cfg = LMTrainConfig(seq_len=4, batch_size=3, warmup_steps=0, total_steps=1)
+  # seq_len + 1 tokens are one window (refused as "fewer than seq_len + 1" before).
+  np.testing.assert_array_equal(next(batches(np.arange(5), cfg)), np.tile(np.arange(5), (3, 1)))
+  with pytest.raises(ValueError, match=r"the corpus has 4 tokens, fewer than seq_len \+ 1 = 5"):
+    next(batches(np.arange(4), cfg))
+  # The draws of a longer stream are the ones the shipped target was trained on.
+  starts = next(batches(np.arange(100), LMTrainConfig(seq_len=4, batch_size=6)))[:, 0]
+  np.testing.assert_array_equal(starts, np.random.default_rng(0).integers(0, 95, 6))

@@ -380,8 +380,12 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   first = training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=ckpt)
   got = [r["loss"] for r in first.train(k, progress=False)]  # checkpoint at step 3 only
   del first  # killed after step 4: its step-4 work is lost
+  hook, log_filters = sys.unraisablehook, list(logging.getLogger("asyncio").filters)
   resumed = training.Trainer(target, _drafter(target, d, seed=99), d, cfg,
                              checkpoint_dir=ckpt)
+  # The failed-read filters are released once the reads succeeded (they stayed for good).
+  assert sys.unraisablehook is hook
+  assert logging.getLogger("asyncio").filters == log_filters
   assert resumed.step == 3 and resumed.position == training.DataPosition(1, 5)
   got = got[:3] + [r["loss"] for r in resumed.train(n - 3, progress=False)]
   assert resumed.step == n
@@ -461,9 +465,11 @@ def test_failed_read_filters_drop_only_the_failed_reads_reports(monkeypatch, cap
   monkeypatch.setattr("sys.unraisablehook", seen.append)
   asyncio_log = logging.getLogger("asyncio")
   monkeypatch.setattr(asyncio_log, "filters", [])
+  monkeypatch.setattr(training.trainer._FAILED_READS, "folders", set())
   training.trainer._quiet_failed_reads("/ckpt/2")
   training.trainer._quiet_failed_reads("/ckpt/3")  # installed once, not stacked
   assert asyncio_log.filters == [training.trainer._FAILED_READS]
+  hook = sys.unraisablehook
 
   def report(exc, obj=None):
     sys.unraisablehook(types.SimpleNamespace(exc_type=type(exc), exc_value=exc,
@@ -485,6 +491,11 @@ def test_failed_read_filters_drop_only_the_failed_reads_reports(monkeypatch, cap
   assert [r.getMessage().split("reading ")[-1] for r in caplog.records] == [
       "/ckpt/20/state/')>", "/elsewhere/')>",
       "Task was destroyed but it is pending: /ckpt/2/state/"]
+  # Released folder by folder; with none left, the filter and the hook go.
+  training.trainer._release_failed_reads("/ckpt/2")
+  assert sys.unraisablehook is hook and asyncio_log.filters
+  training.trainer._release_failed_reads("/ckpt/3")
+  assert sys.unraisablehook == seen.append and not asyncio_log.filters
 
 
 def test_damaged_training_data_is_named(tmp_path):
@@ -508,9 +519,9 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
   out = str(tmp_path / "out")
   cfg = training.TrainConfig(**{**CFG.__dict__, "total_steps": 4})
 
-  def refused(message, prompts=prompts, out=out, **kwargs):
+  def refused(message, prompts=prompts, out=out, config=cfg, **kwargs):
     with pytest.raises(ValueError, match=message):
-      training.train_drafter(target, prompts, out, cfg, capture=CAPTURE, progress=False,
+      training.train_drafter(target, prompts, out, config, capture=CAPTURE, progress=False,
                              **kwargs)
 
   refused(r"heldout_shape=\(3, 1\) must be \(steps, topk, draft tokens\)",
@@ -526,6 +537,13 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
           drafter_overrides={"rope": RopeConfig(rope_type="yarn", factor=2.0,
                                                 original_max_position_embeddings=256)})
   refused(r"every prompt has at least seq_len=32 tokens", prompts=[[5] * 32, [6] * 40])
+  # These two were refused only where they were reached: in the middle of the regeneration,
+  # and at the first held-out measurement after training.
+  refused(r"prompts\[1\] has 500 tokens, and the regeneration generates max_new_tokens=24 "
+          r"after it, past the target's max_position_embeddings=512", prompts=[[5], [6] * 500])
+  refused(r"heldout_shape=\(3, 8, 8\): topk=8 exceeds the draft vocabulary of 4 tokens",
+          heldout_prompts=prompts, heldout_every=2, heldout_shape=(3, 8, 8),
+          config=dataclasses.replace(cfg, draft_vocab_size=4))
   # An out_dir holding another model (the target's own folder, say) would be overwritten.
   target_dir = tmp_path / "target"
   target_dir.mkdir()

@@ -326,8 +326,10 @@ def _quiet_failed_reads(folder: str) -> None:
   unraisable exception, some before the error is even raised) and leaves failed futures and
   tasks that asyncio logs when they are collected ("Future exception was never retrieved",
   "Task exception ...", naming the folder). The trainer raises its own error naming the step
-  and what to do, so both are noise: installed before a restore, this drops exactly those
-  reports; every other unraisable exception and log record goes on as before."""
+  and what to do, so both are noise. Installed before a restore and released when its reads
+  succeed (``_release_failed_reads``); after a failed read it stays, since the reports come
+  later. It drops exactly those reports; every other unraisable exception and log record
+  goes on as before."""
   _FAILED_READS.folders.add(os.path.join(folder, ""))  # ckpt/2/, not ckpt/20/
   asyncio_log = logging.getLogger("asyncio")
   if _FAILED_READS not in asyncio_log.filters:
@@ -343,7 +345,20 @@ def _quiet_failed_reads(folder: str) -> None:
     previous(unraisable)
 
   hook._eagle3jax_closed_loop_filter = True
+  hook.previous = previous
   sys.unraisablehook = hook
+
+
+def _release_failed_reads(folder: str) -> None:
+  """Undoes ``_quiet_failed_reads(folder)`` once its reads succeeded: the folder leaves the
+  log filter, and with no folder left the filter and the hook go (the hook only if no one
+  replaced it since)."""
+  _FAILED_READS.folders.discard(os.path.join(folder, ""))
+  if _FAILED_READS.folders:
+    return
+  logging.getLogger("asyncio").removeFilter(_FAILED_READS)
+  if getattr(sys.unraisablehook, "_eagle3jax_closed_loop_filter", False):
+    sys.unraisablehook = sys.unraisablehook.previous
 
 
 def _abstract(tree):
@@ -506,30 +521,37 @@ class Trainer:
     unreadable = (f"; delete {folder} to resume from the checkpoint before it, or use a fresh "
                   "checkpoint directory")
     _quiet_failed_reads(folder)
+    read_failed = False  # a failed orbax read leaves reports behind: its filters stay
     try:
-      meta = self._manager.restore(step, args=ocp.args.Composite(
-          meta=ocp.args.JsonRestore())).meta
-    except Exception as e:  # orbax and its storage raise many kinds; all mean "unreadable"
-      raise ValueError(f"{where} has no readable metadata ({_first_line(e)})"
-                       + unreadable) from None
-    if not isinstance(meta, dict) or not {"step", "epoch", "cursor"} <= set(meta):
-      raise ValueError(f"{where} has incomplete metadata" + unreadable)
-    _check_identity(meta, self._identity, where)
-    if meta.get("data_crc") != _fingerprint(self.data):
-      raise ValueError(f"{where} was "
-                       "written for other training data (its data position would be "
-                       "meaningless); use the same data or a fresh checkpoint directory")
-    tree = {"params": self.params, "opt_state": self.opt_state}
-    try:
-      out = self._manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(_abstract(tree))))
-    except Exception as e:  # pylint: disable=broad-except
-      shapes = "shape" in str(e)
-      raise ValueError(
-          f"{where} cannot be restored into this drafter ({_first_line(e)})"
-          + ("; its parameters have other shapes: it was written for another drafter shape "
-             "or a mesh that replicates the KV heads differently. Use the checkpoint's "
-             "settings or a fresh checkpoint directory" if shapes else unreadable)) from None
+      try:
+        meta = self._manager.restore(step, args=ocp.args.Composite(
+            meta=ocp.args.JsonRestore())).meta
+      except Exception as e:  # orbax and its storage raise many kinds; all mean "unreadable"
+        read_failed = True
+        raise ValueError(f"{where} has no readable metadata ({_first_line(e)})"
+                         + unreadable) from None
+      if not isinstance(meta, dict) or not {"step", "epoch", "cursor"} <= set(meta):
+        raise ValueError(f"{where} has incomplete metadata" + unreadable)
+      _check_identity(meta, self._identity, where)
+      if meta.get("data_crc") != _fingerprint(self.data):
+        raise ValueError(f"{where} was "
+                         "written for other training data (its data position would be "
+                         "meaningless); use the same data or a fresh checkpoint directory")
+      tree = {"params": self.params, "opt_state": self.opt_state}
+      try:
+        out = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(tree))))
+      except Exception as e:  # pylint: disable=broad-except
+        read_failed = True
+        shapes = "shape" in str(e)
+        raise ValueError(
+            f"{where} cannot be restored into this drafter ({_first_line(e)})"
+            + ("; its parameters have other shapes: it was written for another drafter shape "
+               "or a mesh that replicates the KV heads differently. Use the checkpoint's "
+               "settings or a fresh checkpoint directory" if shapes else unreadable)) from None
+    finally:
+      if not read_failed:
+        _release_failed_reads(folder)
     saved = meta.get("config", {})
     changed = sorted(k for k, v in dataclasses.asdict(self.config).items()
                      if k in saved and saved[k] != v)
@@ -648,9 +670,20 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     raise ValueError(f"every prompt has at least seq_len={config.seq_len} tokens, so no "
                      "response token would fit in a training sequence: raise seq_len or "
                      "shorten the prompts")
+  too_long = next((i for i, p in enumerate(prompts)
+                   if len(p) + config.max_new_tokens > limit), None)
+  if too_long is not None:  # what generate would refuse in the middle of the regeneration
+    raise ValueError(
+        f"prompts[{too_long}] has {len(prompts[too_long])} tokens, and the regeneration "
+        f"generates max_new_tokens={config.max_new_tokens} after it, past the target's "
+        f"max_position_embeddings={limit}; shorten it (a training sequence keeps only its first "
+        f"seq_len={config.seq_len} tokens) or lower max_new_tokens")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   draft_vocab_size = config.resolved_draft_vocab_size(target.config.vocab_size)
+  if heldout_prompts and shape.topk > draft_vocab_size:
+    raise ValueError(f"heldout_shape={tuple(heldout_shape)}: topk={shape.topk} exceeds the "
+                     f"draft vocabulary of {draft_vocab_size} tokens")
   DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
                            **(drafter_overrides or {}))  # refuses bad overrides up front
   _check_out_dir(out_dir)
