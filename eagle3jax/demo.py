@@ -389,6 +389,8 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   from eagle3jax.training import train_drafter
 
   drafter_dir = os.path.join(out_dir, "drafter")
+  if train_texts is None:  # first: a mistyped out_dir is named before anything is created
+    train_texts = read_split(read_manifest(out_dir), "train")
   # Its first write is the export after training: a folder that cannot take it is named now,
   # not after the regeneration and training (35-50 minutes).
   try:
@@ -398,8 +400,6 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
                      "what is in the way or choose another --out") from None
   if not os.access(drafter_dir, os.W_OK):
     raise ValueError(f"the drafter's folder {drafter_dir!r} is not writable")
-  if train_texts is None:
-    train_texts = read_split(read_manifest(out_dir), "train")
   target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)

@@ -214,7 +214,11 @@ def test_make_drafter_names_an_unusable_drafter_folder_before_training(tmp_path)
   # Its first write used to be the export after regeneration and training (35-50 minutes).
   (tmp_path / "drafter").write_text("x")
   with pytest.raises(ValueError, match=r"the drafter's folder .*drafter' cannot be created"):
-    demo.make_drafter(str(tmp_path))  # no manifest or target here: refused before either
+    demo.make_drafter(str(tmp_path), train_texts=["x"])  # refused before the target loads
+  # A mistyped folder is named before anything is created in it.
+  with pytest.raises(ValueError, match="manifest.json"):
+    demo.make_drafter(str(tmp_path / "typo"))
+  assert not (tmp_path / "typo").exists()
 
 
 def test_lm_windows_of_a_stream_of_exactly_one_window():
