@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import warnings
 
+from eagle3jax import checks
+
 # Warn when, over at least MIN_ROUNDS greedy rounds, the live accepted drafts per round
 # (acceptance length - 1) fall below FAR_BELOW times the recorded ones.
 MIN_ROUNDS = 32
@@ -63,6 +65,7 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
   from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
   from eagle3jax.tree import checked_shape  # pylint: disable=import-outside-toplevel
   shapes = [checked_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
+  batch_size = checks.integer("batch_size", batch_size, 1)
   out = {}
   for steps, topk, tokens in ((s.num_steps, s.topk, s.num_draft_tokens) for s in shapes):
     rounds, accepted = 0, 0

@@ -44,3 +44,5 @@ def test_measured_chain_shapes_say_the_tokens_a_chain_drafts():
                                        r"steps \+ 1 = 4 tokens"):
     monitor.measure_acceptance(tgt, h.copy_drafter(tgt), h.PROMPTS[:1],
                                ((3, 1, 4), (3, 1, 2)), max_new_tokens=4)
+  with pytest.raises(ValueError, match=r"batch_size=0 must be an integer >= 1"):  # was range()
+    monitor.measure_acceptance(tgt, h.copy_drafter(tgt), h.PROMPTS[:1], batch_size=0)

@@ -584,6 +584,8 @@ def test_export_load_decode_is_lossless(target, data, tmp_path):
   assert 0 < result.vocab.coverage <= 1
   loaded = eagle3jax.load_drafter(out, target=target)
   assert loaded.config.capture == CAPTURE
+  # The record's acceptance is the curve's measurement (without EOS; it stopped at EOS before).
+  assert loaded.capture_record.acceptance_for(3, 1, 4) == final["3,1,4"]
   np.testing.assert_array_equal(np.asarray(loaded.d2t[...]), result.vocab.d2t)
   np.testing.assert_allclose(np.asarray(loaded.lm_head[...]),
                              np.asarray(result.drafter.lm_head[...]), atol=1e-6)

@@ -670,14 +670,6 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     raise ValueError(f"every prompt has at least seq_len={config.seq_len} tokens, so no "
                      "response token would fit in a training sequence: raise seq_len or "
                      "shorten the prompts")
-  too_long = next((i for i, p in enumerate(prompts)
-                   if len(p) + config.max_new_tokens > limit), None)
-  if too_long is not None:  # what generate would refuse in the middle of the regeneration
-    raise ValueError(
-        f"prompts[{too_long}] has {len(prompts[too_long])} tokens, and the regeneration "
-        f"generates max_new_tokens={config.max_new_tokens} after it, past the target's "
-        f"max_position_embeddings={limit}; shorten it (a training sequence keeps only its first "
-        f"seq_len={config.seq_len} tokens) or lower max_new_tokens")
   capture = as_capture_spec(capture) or CaptureSpec.eagle3_default(target.num_layers)
   capture.validate(target.num_layers)
   draft_vocab_size = config.resolved_draft_vocab_size(target.config.vocab_size)
@@ -686,6 +678,14 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                      f"draft vocabulary of {draft_vocab_size} tokens")
   DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
                            **(drafter_overrides or {}))  # refuses bad overrides up front
+  too_long = next((i for i, p in enumerate(prompts)
+                   if len(p) + config.max_new_tokens > limit), None)
+  if too_long is not None:  # what generate would refuse in the middle of the regeneration
+    raise ValueError(
+        f"prompts[{too_long}] has {len(prompts[too_long])} tokens, and the regeneration "
+        f"generates max_new_tokens={config.max_new_tokens} after it, past the target's "
+        f"max_position_embeddings={limit}; shorten it (a training sequence keeps only its first "
+        f"seq_len={config.seq_len} tokens) or lower max_new_tokens")
   _check_out_dir(out_dir)
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
   progress = progress and distributed.is_main_process()
@@ -754,7 +754,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   finally:
     trainer.close()
   drafter = trainer.drafter
-  acceptance = (monitor.measure_acceptance(target, drafter, heldout_prompts,
+  # Without EOS, as the curve measures: every prompt runs HELDOUT_NEW_TOKENS, so the record
+  # and the curve's last point are one measurement.
+  acceptance = (monitor.measure_acceptance(target, drafter, heldout_prompts, eos_ids=[],
                                            max_new_tokens=HELDOUT_NEW_TOKENS)
                 if heldout_prompts else {})
   calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
