@@ -242,7 +242,8 @@ def mark_checked(drafter, target, *, vouched: bool = False) -> None:
 
 def vouched_for(drafter, target) -> bool:
   """Whether this drafter object, with its current capture, was initialised for ``target``,
-  or loaded for it with its record verified or its probe agreeing. Being served with it
+  loaded or served for it with its record verified, or found agreeing with it by the probe
+  (at a load, or at a save with ``target=``). Being served with it
   (``check_served``) is not enough for a drafter without a record: that checks only the
   embedding and that the capture is the loaded one."""
   capture = drafter.config.capture.layer_ids

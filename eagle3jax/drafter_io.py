@@ -299,7 +299,6 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
     log.warning("%s: capture %s NOT verified (verify_capture=False): if it is not what the "
                 "drafter was trained on, acceptance collapses without any other sign", where,
                 drafter.config.capture.as_list())
-  # Attributes, so nnx copies (clone, split/merge) keep them.
   if (record is not None and record.weights and not record.weights_embedding and own
       and verify_capture):
     # The record verified this target, and was written with its table as the embedding.
@@ -308,6 +307,7 @@ def load_drafter(path: str, *, target, mesh: Mesh | None = None,
         f"(shared), but the file's {contract.EMBEDDING_WEIGHT} is not this target's table: it "
         f"was changed after the record was written. Put the target's table back, or delete "
         f"{contract.RECORD_FILE} to load the drafter with the probe instead")
+  # Attributes, so nnx copies (clone, split/merge) keep them.
   drafter.capture_check_skipped = not verify_capture
   drafter.capture_loaded_ids = drafter.config.capture.layer_ids
   contract.mark_checked(drafter, target, vouched=vouched)
@@ -549,7 +549,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
   }
   if include_embedding or drafter.own_embedding:
     tensors["embed_tokens.weight"] = _host(drafter.embed_tokens[...])
-  store = np.dtype(dtype or drafter.dtype)
+  store = np.dtype(dtype if dtype is not None else drafter.dtype)  # a dtype object is falsy
   tensors = {key: np.ascontiguousarray(v if key in ("d2t", "t2d") else v.astype(store))
              for key, v in tensors.items()}
   if target is not None:  # on every process: the record runs the target

@@ -413,6 +413,22 @@ def test_copies_of_a_recordless_drafter_keep_its_capture(target, tmp_path):
   assert not os.path.exists(tmp_path / "wrong")
 
 
+def test_save_stores_in_the_dtype_asked_and_digests_what_it_stored(target, tmp_path):
+  import ml_dtypes
+  path = str(tmp_path / "bf16")
+  eagle3jax.save_drafter(H.copy_drafter(target), path, target=target, dtype=ml_dtypes.bfloat16)
+  st = SafetensorsFile(os.path.join(path, "model.safetensors"))
+  kinds = {n: np.asarray(st.get(n)).dtype for n in st.names}
+  assert kinds.pop("d2t") == np.int64 and kinds.pop("t2d") == np.bool_
+  assert set(kinds.values()) == {np.dtype(ml_dtypes.bfloat16)}
+  with open(os.path.join(path, "config.json")) as f:
+    assert json.load(f)["torch_dtype"] == "bfloat16"
+  loaded = eagle3jax.load_drafter(path, target=target)  # the digest is of the bf16 bytes
+  assert loaded.capture_record.weights and loaded.dtype == target.dtype
+  with pytest.raises(ValueError, match="dtype"):
+    eagle3jax.save_drafter(loaded, str(tmp_path / "x"), dtype=np.int8)
+
+
 def test_a_record_beside_other_weights_is_refused(saved, target, tmp_path):
   """The record holds a digest of the weights it was written with: a folder whose safetensors
   another tool wrote over keeps a record that vouches for weights it never saw."""
