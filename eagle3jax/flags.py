@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import os
 
 
@@ -82,3 +83,24 @@ def check_writable(path: str, flag: str) -> None:
     raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist; create it first")
   if not os.access(folder, os.W_OK):
     raise ValueError(f"{flag} {path!r}: folder {folder!r} is not writable")
+
+
+def need_file(path: str, flag: str) -> None:
+  """Raises ``ValueError`` naming ``flag`` unless ``path`` is an existing file."""
+  if not os.path.isfile(path):
+    raise ValueError(f"{flag} {path!r} " + ("is a folder; give a file" if os.path.isdir(path)
+                                            else "does not exist"))
+
+
+def read_json(path: str, flag: str, *, want_object: bool = False):
+  """The JSON value in the file ``flag`` names, or a ``ValueError`` naming the flag and file
+  (missing, a folder, not JSON, or, with ``want_object``, not a JSON object)."""
+  need_file(path, flag)
+  with open(path) as f:
+    try:
+      value = json.load(f)
+    except ValueError as e:
+      raise ValueError(f"{flag} {path!r} is not JSON: {e}") from None
+  if want_object and not isinstance(value, dict):
+    raise ValueError(f"{flag} {path!r} must hold a JSON object, not a {type(value).__name__}")
+  return value

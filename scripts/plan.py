@@ -10,20 +10,7 @@ import json
 import os
 import sys
 
-from eagle3jax.flags import parse_ints
-
-
-def _read_object(path: str, flag: str) -> dict:
-  """A config file's JSON object; a ``ValueError`` naming the flag and file otherwise."""
-  with open(path) as f:
-    try:
-      value = json.load(f)
-    except ValueError as e:
-      raise ValueError(f"{flag} {path!r} is not JSON ({e})") from None
-  if not isinstance(value, dict):
-    raise ValueError(f"{flag} {path!r} must hold a JSON object (a config.json), not a "
-                     f"{type(value).__name__}")
-  return value
+from eagle3jax.flags import parse_ints, read_json
 
 
 def main() -> int:
@@ -56,10 +43,10 @@ def main() -> int:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   from eagle3jax.plan import markdown, plan  # pylint: disable=import-outside-toplevel
   try:
-    hf = _read_object(args.config, "--config")
+    hf = read_json(args.config, "--config", want_object=True)
     drafter = None
     if args.drafter_config:
-      drafter = _read_object(args.drafter_config, "--drafter-config")
+      drafter = read_json(args.drafter_config, "--drafter-config", want_object=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     result = plan(hf, drafter, data=data, tensor=tensor, hbm_gib=args.hbm_gib,
                   device=args.device, batch=args.batch, context=args.context,

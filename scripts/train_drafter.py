@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
-from eagle3jax.flags import parse_ints
+from eagle3jax.flags import need_file, parse_ints, read_json
 
 _FIELD_HELP = {
     "learning_rate": "peak AdamW learning rate",
@@ -97,19 +96,8 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
   return p
 
 
-def _need_file(path: str, flag: str) -> None:
-  if not os.path.isfile(path):
-    raise ValueError(f"{flag} {path!r} " + ("is a folder; give a file" if os.path.isdir(path)
-                                            else "does not exist"))
-
-
 def _read_ids_file(path: str, flag: str) -> list[list[int]]:
-  _need_file(path, flag)
-  with open(path) as f:
-    try:
-      prompts = json.load(f)
-    except ValueError as e:
-      raise ValueError(f"{flag} {path!r} is not JSON: {e}") from None
+  prompts = read_json(path, flag)
   if (not isinstance(prompts, list) or not prompts
       or not all(isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in p)
@@ -122,7 +110,7 @@ def _read_ids_file(path: str, flag: str) -> list[list[int]]:
 def _read_prompts(args) -> list[list[int]]:
   if args.prompt_ids_file:
     return _read_ids_file(args.prompt_ids_file, "--prompt-ids-file")
-  _need_file(args.prompts, "--prompts")
+  need_file(args.prompts, "--prompts")
   tok_path = os.path.join(args.target, "tokenizer.json")
   if not os.path.isfile(tok_path):
     raise ValueError(f"--prompts needs {tok_path}; give --prompt-ids-file instead")
@@ -144,14 +132,7 @@ def _read_prompts(args) -> list[list[int]]:
 def _train_config(args, train_config_cls):
   values = {}
   if args.config:
-    _need_file(args.config, "--config")
-    with open(args.config) as f:
-      try:
-        values = json.load(f)
-      except ValueError as e:
-        raise ValueError(f"--config {args.config!r} is not JSON: {e}") from None
-    if not isinstance(values, dict):
-      raise ValueError(f"--config {args.config!r} must hold a JSON object")
+    values = read_json(args.config, "--config", want_object=True)
   for f in dataclasses.fields(train_config_cls):
     if getattr(args, f.name) is not None:
       values[f.name] = getattr(args, f.name)
