@@ -4,9 +4,12 @@ One semantics for every use (full sequence, prefill, chunked extend, tree verifi
 query ``i`` of row ``b`` sees cache keys ``[0, lengths[b])`` and new key ``j`` (stored at slot
 ``lengths[b] + j``) where ``tree_mask[b, i, j]``. ``tree_mask`` is ``[B, T, W]``: usually
 ``W == T`` (the new tokens are the keys after the prefix); the drafter's tree steps use a wider
-window holding the earlier tree levels (XLA path only). The XLA path below materialises the
-``[B, N, T, S]`` scores; ``eagle3jax.kernels.tree_attention`` is the Pallas kernel with the same
-contract, chosen by ``attention_impl``.
+window holding the earlier tree levels (XLA path only). A query that sees no key gets zeros. The
+XLA path below materialises the ``[B, N, T, S]`` scores; ``eagle3jax.kernels.tree_attention`` is
+the Pallas kernel with the same contract, chosen by ``attention_impl`` for calls of at most
+``MAX_TREE_TOKENS`` (64) new tokens: decode steps and verification. A prefill (the whole prompt
+bucket) and larger trees take the XLA path whatever ``attention_impl`` says, since the kernel
+holds the new tokens' keys and mask as single tiles.
 """
 
 from __future__ import annotations
@@ -33,7 +36,10 @@ def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
   if impl == "xla" or tree_mask.shape[-1] != q.shape[1]:
     return _attend_xla(q, k, v, lengths, tree_mask, scale)
   if impl in ("pallas", "pallas_interpret"):
-    from eagle3jax.kernels import tree_attention_sharded  # pylint: disable=import-outside-toplevel
+    # pylint: disable-next=import-outside-toplevel
+    from eagle3jax.kernels import MAX_TREE_TOKENS, tree_attention_sharded
+    if q.shape[1] > MAX_TREE_TOKENS:  # a prefill or a large tree
+      return _attend_xla(q, k, v, lengths, tree_mask, scale)
     mesh = jax.sharding.get_abstract_mesh()
     return tree_attention_sharded(q, k, v, lengths, tree_mask, mesh=mesh, sm_scale=scale,
                                   interpret=impl == "pallas_interpret")
@@ -69,4 +75,6 @@ def _attend_xla(q, k, v, lengths, tree_mask, scale):
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v, preferred_element_type=jnp.float32,
                    out_sharding=out_spec((BATCH, SEQ, KV_HEADS, None, HEAD_DIM),
                                          (b, t, kh, g, h)))
+  # A query that sees no key gets zeros, as in the kernel (softmax averaged every live value).
+  out = jnp.where(jnp.any(vis, axis=-1)[:, :, None, None, None], out, 0)
   return out.reshape(b, t, n, h).astype(q.dtype)

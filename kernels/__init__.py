@@ -10,11 +10,12 @@ by both, and an ``interpret`` flag so that it runs (slowly) on CPU.
 
 # --- Tree attention ---
 from eagle3jax.kernels.tree_attention import (
-    tree_attention, tree_attention_reference, validate_inputs)
+    MAX_TREE_TOKENS, tree_attention, tree_attention_reference, validate_inputs)
 # --- On a device mesh ---
 from eagle3jax.kernels._sharded import tree_attention_sharded
 
 __all__ = [
+    "MAX_TREE_TOKENS",
     "tree_attention",
     "tree_attention_reference",
     "tree_attention_sharded",

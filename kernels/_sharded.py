@@ -16,7 +16,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from eagle3jax.kernels.tree_attention import (
-    tree_attention, tree_attention_reference, validate_inputs)
+    check_tree_tokens, tree_attention, tree_attention_reference, validate_inputs)
 
 _IMPLS = ("pallas", "reference")
 
@@ -51,6 +51,7 @@ def tree_attention_sharded(q, k, v, lengths, tree_mask, *, mesh, batch_axis: str
     raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
   validate_inputs(q, k, v, lengths, tree_mask)
   if impl == "pallas":
+    check_tree_tokens(q.shape[1])  # before shard_map, so the message is not a traced one
     local = functools.partial(tree_attention, sm_scale=sm_scale, interpret=interpret)
   else:
     local = functools.partial(tree_attention_reference, sm_scale=sm_scale)

@@ -38,6 +38,12 @@ _NEG = -1e30
 _MIN_TILE = 16
 # Programs the default split heuristic aims for: a few waves over an H200's 132 SMs.
 _TARGET_PROGRAMS = 512
+# Most tree tokens the kernel takes. Its programs hold all P tree keys and values and the
+# ``[block_m, P]`` mask and scores as single tiles (step 2 below), so P is bounded like a cache
+# block: at 64 a tile of 64 keys x 128 dims is 16 KiB in bf16. A prefill's P is the whole
+# prompt bucket (hundreds of tokens, megabytes a tile: past a GPU's shared memory and
+# registers), so ``eagle3jax.attention.attend`` sends such calls to the XLA path.
+MAX_TREE_TOKENS = 64
 
 
 def validate_inputs(q, k, v, lengths, tree_mask) -> None:
@@ -93,6 +99,15 @@ def validate_inputs(q, k, v, lengths, tree_mask) -> None:
                      f"{tuple(tree_mask.shape)}")
   if tree_mask.dtype != jnp.bool_:
     raise ValueError(f"tree_mask must have dtype bool, got {tree_mask.dtype}")
+
+
+def check_tree_tokens(p: int) -> None:
+  """Raises ``ValueError`` when ``P`` tree tokens exceed what the kernel holds as one tile."""
+  if p > MAX_TREE_TOKENS:
+    raise ValueError(f"q has P={p} tree tokens; the kernel takes at most {MAX_TREE_TOKENS} (it "
+                     "holds the tree's keys and mask as single tiles). Use the XLA path "
+                     "(eagle3jax.attention.attend routes longer calls, such as a prefill, "
+                     "there) or a smaller tree")
 
 
 def _default_scale(sm_scale, head_dim: int) -> float:
@@ -232,6 +247,7 @@ def tree_attention(q, k, v, lengths, tree_mask, *, sm_scale=None, interpret: boo
     lengths: ``[B]`` integer committed prefix lengths, ``0 <= lengths[b] <= S - P`` (clipped to
       that range).
     tree_mask: ``[B, P, P]`` bool; query ``i`` sees tree key ``j`` iff ``tree_mask[b, i, j]``.
+      ``P <= MAX_TREE_TOKENS`` (64).
     sm_scale: score scale, default ``1 / sqrt(H)``.
     interpret: run the kernel in the Pallas interpreter (any backend, e.g. CPU tests).
     block_s: cache slots per block (power of two >= 16; capped at the cache size).
@@ -245,6 +261,7 @@ def tree_attention(q, k, v, lengths, tree_mask, *, sm_scale=None, interpret: boo
     ``[B, P, N, H]`` in ``q``'s dtype. A query that sees no key gets zeros.
   """
   validate_inputs(q, k, v, lengths, tree_mask)
+  check_tree_tokens(q.shape[1])
   _check_block("block_s", block_s)
   _check_block("block_m", block_m)
   if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):

@@ -3,7 +3,8 @@
 Three implementations of the same attention, each jitted and timed on identical inputs:
 
 * ``kernel``: ``eagle3jax.kernels.tree_attention`` (Pallas, Triton on GPU).
-* ``xla``: ``tree_attention_reference`` (plain jnp, materialises ``[B, N, P, S]`` f32 scores).
+* ``xla``: the engine's XLA path (``eagle3jax.attention.attend(impl="xla")``, what it runs without
+  the kernel: ``[B, N, P, S]`` scores from inputs in their own dtype, float32 accumulation).
 * ``dpa``: ``jax.nn.dot_product_attention`` with ``implementation="cudnn"`` (or ``"xla"`` when
   cuDNN rejects the problem; the row's ``dpa_impl`` says which ran; ``None`` would mean XLA in
   jax 0.10) and an equivalent boolean ``mask [B, 1, P, S]`` (broadcast over heads): slot ``s`` is visible
@@ -11,6 +12,9 @@ Three implementations of the same attention, each jitted and timed on identical 
   ``tree_mask[b, i, s - lengths[b]]``). Building that mask is part of the timed function, as it
   would be in an engine. Unlike the other two, dpa is not NaN-safe past ``lengths + P``; the
   benchmark cache holds no NaN.
+
+``max_abs_err`` is the kernel's largest difference from ``tree_attention_reference`` (float32 at
+``HIGHEST`` precision: the accuracy yardstick, too slow to be a fair baseline).
 
 Each time is the median of ``--iters`` runs after a warmup, in microseconds. The kernel's
 KV-read bandwidth counts the bytes it must read: ``2 * B * (lengths + P) * K * H * itemsize``.
@@ -31,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax.attention import attend
 from eagle3jax.flags import check_writable, positive_int
 from eagle3jax.kernels import tree_attention, tree_attention_reference
 
@@ -86,9 +91,10 @@ def bench_one(b, p, s, n, k, h, *, dtype, iters, interpret):
   vc = jnp.asarray(rng.standard_normal((b, s, k, h), np.float32), dtype)
   lengths = jnp.full((b,), s - p, jnp.int32)
   args = (q, kc, vc, lengths, chain_mask(b, p))
+  scale = 1.0 / h ** 0.5
   impls = {
-      "kernel": jax.jit(functools.partial(tree_attention, interpret=interpret)),
-      "xla": jax.jit(tree_attention_reference),
+      "kernel": jax.jit(functools.partial(tree_attention, sm_scale=scale, interpret=interpret)),
+      "xla": jax.jit(functools.partial(attend, scale=scale, impl="xla")),
   }
   row = dict(B=b, P=p, S=s, N=n, K=k, H=h, dtype=jnp.dtype(dtype).name)
   for implementation in ("cudnn", "xla"):
@@ -102,7 +108,7 @@ def bench_one(b, p, s, n, k, h, *, dtype, iters, interpret):
     row["dpa_impl"] = implementation
     break
   err = jnp.abs(impls["kernel"](*args).astype(jnp.float32)
-                - impls["xla"](*args).astype(jnp.float32)).max()
+                - tree_attention_reference(*args, sm_scale=scale).astype(jnp.float32)).max()
   row["max_abs_err"] = float(err)
   for name, fn in impls.items():
     row[f"{name}_us"] = time_us(fn, args, iters)

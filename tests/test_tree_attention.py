@@ -8,8 +8,10 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
 
+from eagle3jax import attention, kernels  # noqa: E402
 from eagle3jax.kernels import (  # noqa: E402
-    tree_attention, tree_attention_reference, tree_attention_sharded, validate_inputs)
+    MAX_TREE_TOKENS, tree_attention, tree_attention_reference, tree_attention_sharded,
+    validate_inputs)
 from tests import engine_helpers as h  # noqa: E402
 
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
@@ -254,6 +256,56 @@ def test_every_entry_point_validates():
     tree_attention_sharded(**inputs, mesh=None)
   with pytest.raises(ValueError, match="block_s must be a power of two >= 16, got 24"):
     jax.eval_shape(lambda: tree_attention(**_good(), block_s=24))
+
+
+def test_kernel_refuses_trees_past_one_tile():
+  """The kernel holds the tree's keys and mask as single tiles: a P past MAX_TREE_TOKENS (a
+  prefill's prompt bucket: megabytes a tile on a GPU) is refused by name, before any tracing of
+  the kernel; the reference takes any P."""
+  p = MAX_TREE_TOKENS + 1
+  big = dict(q=_spec((1, p, 4, 16)), k=_spec((1, 2 * p, 2, 16)), v=_spec((1, 2 * p, 2, 16)),
+             lengths=_spec((1,), jnp.int32), tree_mask=_spec((1, p, p), jnp.bool_))
+  message = f"P={p} tree tokens; the kernel takes at most {MAX_TREE_TOKENS}"
+  with pytest.raises(ValueError, match=message):
+    jax.eval_shape(lambda: tree_attention(**big, interpret=True))
+  with pytest.raises(ValueError, match=message):
+    tree_attention_sharded(**big, mesh=None, interpret=True)
+  assert jax.eval_shape(lambda: tree_attention_reference(**big)).shape == (1, p, 4, 16)
+
+
+def _causal_inputs(t, s=96):
+  q, kc, vc, _, _ = make_inputs(31, 2, t, s, 4, 2, 16, jnp.float32, lengths=[0, s - t])
+  return q, kc, vc, jnp.asarray([0, s - t], jnp.int32), jnp.tril(jnp.ones((2, t, t), bool))
+
+
+def test_attend_sends_prefill_sized_calls_to_xla(monkeypatch):
+  """``attend(impl="pallas...")`` runs the kernel for up to MAX_TREE_TOKENS new tokens and the
+  XLA path past them (prefill), with the same result either way."""
+  calls = []
+  real = kernels.tree_attention_sharded
+
+  def counted(*args, **kwargs):
+    calls.append(args[0].shape[1])
+    return real(*args, **kwargs)
+  monkeypatch.setattr(kernels, "tree_attention_sharded", counted)
+  for t, kernel_calls in ((MAX_TREE_TOKENS, [MAX_TREE_TOKENS]), (MAX_TREE_TOKENS + 1, [])):
+    calls.clear()
+    args = _causal_inputs(t)
+    out = attention.attend(*args, scale=0.25, impl="pallas_interpret")
+    assert calls == kernel_calls, t
+    assert_close(out, attention.attend(*args, scale=0.25, impl="xla"), jnp.float32)
+    assert_close(out, tree_attention_reference(*args, sm_scale=0.25), jnp.float32)
+
+
+def test_xla_path_gives_zeros_to_a_query_without_keys():
+  """One semantics for both paths: a query that sees no key gets zeros from the XLA path too
+  (its softmax over all-masked scores averaged every live value row)."""
+  q, kc, vc, lengths, _ = make_inputs(3, 2, 2, 20, 2, 2, 16, jnp.float32, lengths=[0, 9])
+  mask = jnp.asarray([[[True, False], [False, False]]] * 2)
+  out = attention.attend(q, kc, vc, lengths, mask, scale=0.25, impl="xla")
+  np.testing.assert_array_equal(np.asarray(out[0, 1]), 0.0)
+  assert_close(out, tree_attention(q, kc, vc, lengths, mask, sm_scale=0.25, interpret=True),
+               jnp.float32)
 
 
 def test_validation_accepts_tracers():
