@@ -58,7 +58,7 @@ def lowered_programs(num_layers: int, mesh=None, *, batch: int = 1, prompt_len: 
     lengths = shard(jnp.full((batch,), prompt_len, jnp.int32), (BATCH,))
     keys = shard(jnp.zeros((batch, 2), jnp.uint32), (BATCH, None))
     dyn = eng.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
-                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(16))
+                      eos=jnp.asarray(eng.eos_array()), max_new=jnp.int32(16))
     out["prefill"] = eng._prefill_jit.lower(graphdef, params, tokens_d, lengths, keys, dyn,
                                             spec=spec, max_len=max_len, out_size=24)
     st = jax.eval_shape(lambda: eng._prefill_jit(graphdef, params, tokens_d, lengths, keys, dyn,

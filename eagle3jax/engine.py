@@ -89,8 +89,17 @@ class Dynamic:
   """Per-call values that do not recompile."""
   temperature: jax.Array    # [] float32
   top_p: jax.Array          # [] float32
-  eos: jax.Array            # [E] int32 (-1 padded)
+  eos: jax.Array            # [E] int32 (-1 padded; see eos_array)
   max_new: jax.Array        # [] int32
+
+
+def eos_array(ids=()) -> np.ndarray:
+  """``Dynamic.eos`` for these EOS ids: ``-1``-padded to at least 8 entries, then a power of
+  two, so that the number of ids (Llama 3 has up to 3) does not change the compiled programs."""
+  ids = tuple(int(i) for i in ids)
+  out = np.full((max(8, 1 << (max(1, len(ids)) - 1).bit_length()),), -1, np.int32)
+  out[:len(ids)] = ids
+  return out
 
 
 def _pick(spec: EngineSpec, logits, dyn: Dynamic, keys):

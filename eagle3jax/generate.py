@@ -91,6 +91,19 @@ def _cache_len(need: int) -> int:
   return -(-need // 64) * 64
 
 
+def output_bucket(max_new_tokens: int) -> int:
+  """The new tokens a cache is sized for: a multiple of 64 up to 256, then two buckets per
+  octave (384, 512, 768, 1024, 1536, ...), so that at most 1.5x the tokens asked are held and
+  requests up to 2048 new tokens share 10 output buckets rather than 32. The engine stops each
+  row at ``max_new_tokens`` itself (a runtime value), so every length of a bucket runs the same
+  programs."""
+  n = max(1, int(max_new_tokens))
+  if n <= 256:
+    return _cache_len(n)
+  octave = 1 << (n - 1).bit_length()
+  return octave * 3 // 4 if n <= octave * 3 // 4 else octave
+
+
 # The compiled prefill and decode programs, least recently used first. Bounded: a process that
 # serves many targets, batch sizes, prompt buckets, output buckets or tree shapes would
 # otherwise keep every program it ever compiled (on XLA:CPU each holds ~170 memory maps, and
@@ -159,10 +172,7 @@ def start(target, drafter, prompts: list[list[int]], spec: eng.EngineSpec, *,
   continues from."""
   b = len(prompts)
   t = prompt_bucket(max(len(p) for p in prompts))
-  # Sized for max_new_tokens rounded up to a multiple of 64 (the engine stops every row at
-  # max_new_tokens itself, a runtime value): requests of other lengths in the same bucket run
-  # the same compiled programs.
-  new_bucket = _cache_len(max_new_tokens)
+  new_bucket = output_bucket(max_new_tokens)
   max_len = _cache_len(t + new_bucket + spec.slots_needed + spec.commit_width + 1)
   out_size = new_bucket + spec.commit_width
   tokens = np.zeros((b, t), np.int32)
@@ -304,8 +314,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
           f"max_position_embeddings={drafter.config.max_position_embeddings} (its training "
           "length): its RoPE is untrained there and acceptance usually falls (output stays "
           "correct)", stacklevel=2)
-  spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=temperature == 0.0,
-                                                           top_k=int(top_k)),
+  greedy = temperature == 0.0  # greedy decoding never reads top_k: not part of its programs
+  spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=greedy,
+                                                           top_k=0 if greedy else int(top_k)),
                         capture=spec_capture, attention_impl=impl)
   if isinstance(eos_ids, (np.ndarray, jax.Array)):
     eos_ids = np.asarray(eos_ids).reshape(-1).tolist()
@@ -320,8 +331,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
   if any(not 0 <= e < cfg.vocab_size for e in eos):
     raise ValueError(f"eos_ids={list(eos)} must be token ids in [0, vocab_size="
                      f"{cfg.vocab_size})")
-  eos_arr = np.full((max(1, len(eos)),), -1, np.int32)
-  eos_arr[:len(eos)] = eos
+  eos_arr = eng.eos_array(eos)
 
   b = len(prompts)
   with jax.set_mesh(target.mesh):

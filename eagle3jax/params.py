@@ -145,7 +145,14 @@ def _read_slice(host: np.ndarray, idx: tuple, kv_axis: int | None, kv_repeat: in
 
 
 def _zeros(shape, dtype, sharding):
-  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+  return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_fn(shape, dtype, sharding):
+  # Kept per (shape, dtype, sharding), so a second load of the same model compiles nothing
+  # (a fresh jax.jit per call compiled every zero-filled buffer again).
+  return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

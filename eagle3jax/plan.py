@@ -135,7 +135,7 @@ def _lower(graphdef, params, target, capture, spec, batch, prompt_len, max_len):
   lengths = shard(jnp.full((batch,), prompt_len, jnp.int32), (BATCH,))
   keys = shard(jnp.zeros((batch, 2), jnp.uint32), (BATCH, None))
   dyn = eng.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
-                    eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(max_len))
+                    eos=jnp.asarray(eng.eos_array()), max_new=jnp.int32(max_len))
   static = dict(spec=spec, max_len=max_len, out_size=max_len)
   prefill = eng._prefill_jit.lower(graphdef, params, tokens, lengths, keys, dyn, **static)
   st = jax.eval_shape(lambda p: eng._prefill_jit(graphdef, p, tokens, lengths, keys, dyn,

@@ -19,7 +19,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from eagle3jax import capture_contract as contract
@@ -58,7 +57,7 @@ def phase_times(target, drafter, prompt: list[int], tree: TreeShape, *,
   with jax.set_mesh(target.mesh):
     graphdef, params, st, dyn, _, _ = start(target, drafter, [prompt], spec,
                                             max_new_tokens=max_new_tokens,
-                                            eos=np.full((1,), -1, np.int32))
+                                            eos=eng.eos_array())
     budget = jnp.int32(warm_rounds)
     decode, _ = _compiled("decode", eng._decode_jit, graphdef, params, st, dyn, budget,
                           spec=spec)

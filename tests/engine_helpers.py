@@ -102,7 +102,7 @@ def decode_program_text(mesh, tgt, dr, spec, *, batch: int, prompt_len: int = 16
     lengths = shard(jnp.full((b,), t, jnp.int32), (BATCH,))
     keys = shard(jnp.zeros((b, 2), jnp.uint32), (BATCH, None))
     dyn = eng.Dynamic(temperature=jnp.float32(temperature), top_p=jnp.float32(top_p),
-                      eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+                      eos=jnp.asarray(eng.eos_array()), max_new=jnp.int32(8))
     st = jax.eval_shape(lambda p: eng._prefill_jit(graphdef, p, tokens, lengths, keys, dyn,
                                                    spec=spec, max_len=max_len,
                                                    out_size=max_len), params)

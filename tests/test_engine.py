@@ -127,6 +127,37 @@ def test_lengths_in_one_output_bucket_share_the_compiled_programs(pair, baseline
   assert engine.trace_count() == before
 
 
+def test_output_buckets_grow_by_half_octaves():
+  """Multiples of 64 up to 256, then two buckets per octave: each holds every length it
+  serves and at most 1.5x of it, and lengths up to 2048 share 10 buckets (32 with multiples of
+  64 throughout, which overflowed the 64 kept programs for a mixed request load)."""
+  bucket = importlib.import_module("eagle3jax.generate").output_bucket
+  assert [bucket(n) for n in (1, 64, 65, 256, 257, 384, 385, 512, 513, 1025, 2048)] == [
+      64, 64, 128, 256, 384, 384, 512, 512, 768, 1536, 2048]
+  sizes = [bucket(n) for n in range(1, 2049)]
+  assert len(set(sizes)) == 10
+  assert all(n <= b <= max(n + 63, 1.5 * n) for n, b in zip(range(1, 2049), sizes))
+
+
+def test_greedy_top_k_and_the_number_of_eos_ids_compile_nothing_new(pair, baseline):
+  """Greedy decoding never reads top_k, and the EOS ids are a padded runtime array: neither
+  a top_k nor one, two or three EOS ids (Llama 3 has three) make new programs."""
+  tgt, dr = pair
+  kw = dict(max_new_tokens=MAX_NEW, num_steps=3, topk=1)
+  eagle3jax.generate(tgt, dr, h.PROMPTS, eos_ids=[], **kw)
+  before = engine.trace_count()
+  for extra in (dict(top_k=5, eos_ids=[]), dict(eos_ids=[7]), dict(eos_ids=[7, 9, 11])):
+    r = eagle3jax.generate(tgt, dr, h.PROMPTS, **extra, **kw)
+    assert r.stats["compile_s"] == 0.0, extra
+  assert engine.trace_count() == before
+  assert eagle3jax.generate(tgt, dr, h.PROMPTS, top_k=5, eos_ids=[], **kw).tokens == (
+      baseline.tokens)
+  row = baseline.tokens[1]  # the padded array still stops on the second of two ids
+  eos, other = row[3], next(t for t in range(100, 131) if t not in row[:4])
+  r = eagle3jax.generate(tgt, dr, h.PROMPTS, eos_ids=[other, eos], **kw)
+  assert r.tokens[1] == row[:row.index(eos) + 1]
+
+
 def test_no_round_reports_no_acceptance(pair):
   # max_new_tokens=1: the prefill's token is the whole output, and no round runs.
   r = eagle3jax.generate(pair[0], pair[1], h.PROMPTS, max_new_tokens=1, num_steps=3,

@@ -110,3 +110,29 @@ def test_split_layers_decode_and_export_exactly_like_the_scan(tmp_path):
   assert stack.default_layer_loop() == "split"  # CPU
   with pytest.raises(ValueError, match="layer_loop='unrolled'.*'scan', 'split'"):
     eagle3jax.init_target(h.CFG, layer_loop="unrolled")
+
+
+def test_a_second_load_of_a_model_compiles_nothing(tmp_path):
+  """``load_target`` zero-fills its layer stacks through jitted programs kept per shape: a
+  second load of the same checkpoint compiles nothing (it compiled every buffer again)."""
+  from eagle3jax.hf_export import save_target
+  from tests import engine_helpers as h
+  save_target(h.target(), str(tmp_path / "t"), dtype=np.float32)
+  compiles = []
+
+  def listen(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+      compiles.append(duration)
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  jax.clear_caches()  # so that the first load compiles what it needs
+  try:
+    first = eagle3jax.load_target(str(tmp_path / "t"), dtype=jnp.float32)
+    assert compiles, "the first load compiles its zero-fill programs (else this test is void)"
+    compiles.clear()
+    second = eagle3jax.load_target(str(tmp_path / "t"), dtype=jnp.float32)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert compiles == []
+  ids = np.arange(9)[None] % h.CFG.vocab_size
+  np.testing.assert_array_equal(np.asarray(eagle3jax.forward(first, ids).logits),
+                                np.asarray(eagle3jax.forward(second, ids).logits))
