@@ -416,9 +416,11 @@ def _decode_fn(graphdef, params, st, dyn, max_rounds, spec):
 
   def body(carry):
     st, i = carry
-    if spec.tree is None:
-      return _ar_round(target, st, dyn, spec), i + 1
-    return _spec_round(target, drafter, st, dyn, spec), i + 1
+    new = (_ar_round(target, st, dyn, spec) if spec.tree is None
+           else _spec_round(target, drafter, st, dyn, spec))
+    # The carry keeps its types: under jax_enable_x64 sums and argmaxes of int32 give int64,
+    # which while_loop refuses (every such value here fits int32).
+    return jax.tree.map(lambda x, old: x.astype(old.dtype), new, st), i + 1
 
   st, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0)))
   return st

@@ -158,6 +158,21 @@ def test_greedy_top_k_and_the_number_of_eos_ids_compile_nothing_new(pair, baseli
   assert r.tokens[1] == row[:row.index(eos) + 1]
 
 
+def test_decoding_under_jax_enable_x64(pair, baseline):
+  """With 64-bit types on, sums and argmaxes of int32 give int64: the decode loop keeps its
+  carry's types, so greedy speculative decoding (chain and tree) still equals the target's own
+  and sampling runs."""
+  tgt, dr = pair
+  with jax.enable_x64(True):
+    for topk, tokens in ((1, 4), (2, 6)):
+      out = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=MAX_NEW, num_steps=3,
+                               topk=topk, num_draft_tokens=tokens, eos_ids=[])
+      assert out.tokens == baseline.tokens, (topk, tokens)
+    sampled = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=8, temperature=1.0,
+                                 top_p=0.9, eos_ids=[], num_steps=3)
+    assert [len(t) for t in sampled.tokens] == [8] * 3
+
+
 def test_no_round_reports_no_acceptance(pair):
   # max_new_tokens=1: the prefill's token is the whole output, and no round runs.
   r = eagle3jax.generate(pair[0], pair[1], h.PROMPTS, max_new_tokens=1, num_steps=3,
