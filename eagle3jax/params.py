@@ -16,6 +16,7 @@ one layer's host copy exists at a time).
 from __future__ import annotations
 
 import functools
+import warnings
 import zlib
 from typing import Callable
 
@@ -26,7 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from eagle3jax import checks, quant
-from eagle3jax.sharding import KV_HEADS, LAYERS, param_spec
+from eagle3jax.sharding import KV_HEADS, LAYERS, param_spec, undivided
 
 # fill(path, logical_shape, init) -> host array in the logical (unreplicated) shape.
 Fill = Callable[[str, tuple[int, ...], str], np.ndarray]
@@ -51,6 +52,7 @@ def _materialize(factory, mesh: Mesh, fill: Fill, kv_repeat: int) -> nnx.Module:
   abstract = nnx.eval_shape(factory)
   graphdef, state = nnx.split(abstract)
   flat = nnx.to_flat_state(state)
+  _warn_replicated(flat, mesh)
   leaves = [None] * len(flat)
   for unit in _units(flat):
     first_meta = flat[unit[0]][1].get_metadata()
@@ -90,6 +92,26 @@ def _materialize(factory, mesh: Mesh, fill: Fill, kv_repeat: int) -> nnx.Module:
       leaves[j] = flat[j][1].replace(arrays[j])
   state = nnx.from_flat_state([(p, v) for (p, _), v in zip(flat, leaves)])
   return nnx.merge(graphdef, state)
+
+
+def _warn_replicated(flat, mesh: Mesh) -> None:
+  """Warns when the mesh leaves weights whole on every device that the rules would split (a
+  ``tensor`` size that does not divide the heads, MLP columns or vocabulary): tensor
+  parallelism the caller asked for that they would otherwise only meet as memory."""
+  dims, nbytes, count = {}, 0, 0
+  for _, var in flat:
+    value = var.get_value()
+    found = undivided(var.get_metadata()["axes"], value.shape, mesh)
+    for name, dim, mesh_axis, size in found:
+      dims[(name, dim, mesh_axis, size)] = None
+    if found:
+      count += 1
+      nbytes += value.size * np.dtype(value.dtype).itemsize
+  if dims:
+    what = ", ".join(f"{name} ({dim}) over {axis}={size}" for name, dim, axis, size in dims)
+    warnings.warn(f"this mesh does not divide {what}: {count} weights ({nbytes / 2**20:.1f} "
+                  "MiB) are replicated on every device instead of split. Use a mesh axis size "
+                  "that divides them to shard them", stacklevel=4)
 
 
 def _units(flat) -> list[list[int]]:

@@ -5,7 +5,7 @@ from eagle3jax.sharding.mesh import (
 from eagle3jax.sharding.rules import (
     ACTIVATION_RULES, BATCH, CAPTURE, EMBED, EXPERT, HEAD_DIM, HEADS, KV_HEADS, LAYERS, LORA, MLP,
     PARAM_RULES, SEQ, VOCAB, activation_spec, batch_major, current_mesh, devices_along,
-    gather_rows, out_spec, param_sharding, param_spec, pick_rows, shard)
+    gather_rows, out_spec, param_sharding, param_spec, pick_rows, shard, undivided)
 
 __all__ = [
     # Meshes
@@ -17,5 +17,5 @@ __all__ = [
     "MLP", "SEQ", "VOCAB",
     # Rules and annotations
     "ACTIVATION_RULES", "PARAM_RULES", "activation_spec", "out_spec", "param_sharding",
-    "param_spec", "shard", "batch_major", "gather_rows", "pick_rows",
+    "param_spec", "shard", "batch_major", "gather_rows", "pick_rows", "undivided",
 ]

@@ -86,6 +86,18 @@ def _spec(rules: dict[str, str | None], axes: Axes, shape: Sequence[int] | None,
   return P(*out)
 
 
+def undivided(axes: Axes, shape: Sequence[int], mesh: Mesh,
+              rules: dict[str, str | None] = PARAM_RULES) -> list[tuple[str, int, str, int]]:
+  """``(logical axis, size, mesh axis, mesh size)`` of each dimension the rules would split
+  over a mesh axis of more than one device, but that it does not divide (so it is replicated)."""
+  out = []
+  for name, dim in zip(axes, shape):
+    mesh_axis = rules.get(name) if name is not None else None
+    if mesh_axis is not None and mesh.shape[mesh_axis] > 1 and dim % mesh.shape[mesh_axis]:
+      out.append((name, int(dim), mesh_axis, int(mesh.shape[mesh_axis])))
+  return out
+
+
 def param_spec(axes: Axes, shape: Sequence[int] | None = None, mesh: Mesh | None = None) -> P:
   """PartitionSpec of a parameter with logical ``axes`` (and ``shape`` on ``mesh``)."""
   return _spec(PARAM_RULES, axes, shape, mesh)

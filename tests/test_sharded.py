@@ -157,3 +157,23 @@ def test_shard_helper_rejects_rank_mismatch_and_unknown_axes():
     sharding.shard(jnp.zeros((2, 3, 4)), (sharding.BATCH, sharding.SEQ))
   with pytest.raises(ValueError, match="unknown logical axis 'tensr'"):
     sharding.activation_spec(("tensr",))
+
+
+def test_a_mesh_that_leaves_weights_whole_says_so():
+  """A tensor size that does not divide the heads (Qwen2.5-7B: 28 heads on tensor=8) or the
+  vocabulary replicates those weights on every device: tensor parallelism asked for and not
+  had, met only as memory. init_target warns, naming each dimension; a dividing mesh is
+  quiet."""
+  import warnings
+  cfg = eagle3jax.LlamaConfig.tiny(num_hidden_layers=2, vocab_size=128)
+  with pytest.warns(UserWarning, match=r"this mesh does not divide .*heads \(8\) over tensor=3.*"
+                                       r"weights \(.* MiB\) are replicated on every device"):
+    eagle3jax.init_target(cfg, mesh=eagle3jax.make_mesh(1, 3))
+  odd_vocab = eagle3jax.LlamaConfig.tiny(num_hidden_layers=2, vocab_size=131)
+  with pytest.warns(UserWarning, match=r"does not divide vocab \(131\) over tensor=8: 2 "
+                                       r"weights"):
+    eagle3jax.init_target(odd_vocab, mesh=eagle3jax.make_mesh(1, 8))
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    for shape in ((1, 8), (2, 4), (8, 1)):
+      eagle3jax.init_target(cfg, mesh=eagle3jax.make_mesh(*shape))
