@@ -19,7 +19,7 @@ from flax import nnx
 
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax import stack as stack_lib
-from eagle3jax.capture import EMBEDDING, CaptureSpec
+from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
 from eagle3jax.layers import einsum, rms_norm
 from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, shard
 
@@ -94,18 +94,20 @@ class DecoderLM(nnx.Module):
   def __call__(self, tokens, positions=None, cache: kv_lib.KVCache | None = None,
                tree_mask=None, capture: CaptureSpec | None = None, *,
                logits_index=None, attention_impl: str = "xla"):
-    """Runs the model.
+    """Runs the model (the layer under ``eagle3jax.forward`` and the engine).
 
     With ``cache=None`` a full sequence (causal); with a cache, ``T`` new tokens appended after
     each row's committed prefix, new token ``i`` seeing new token ``j`` where
-    ``tree_mask[b, i, j]``.
+    ``tree_mask[b, i, j]``. Call it under ``jax.set_mesh(model.mesh)`` (in or out of
+    ``jax.jit``): its weights and activations carry Explicit shardings of that mesh.
+    ``eagle3jax.forward(model, tokens, capture=...)`` does this for a full sequence.
 
     Args:
       tokens: ``[B, T]`` int32.
       positions: ``[B, T]`` int32 RoPE positions (default ``0..T-1``).
       cache: a ``KVCache`` (from ``allocate_cache``) to extend, or None.
       tree_mask: ``[B, T, T]`` bool among the new tokens (default causal).
-      capture: hidden states to return, or None.
+      capture: hidden states to return (a ``CaptureSpec`` or a list of layer ids), or None.
       logits_index: optional ``[B, M]`` int32: only compute logits at these new-token indices.
       attention_impl: ``"xla"`` or ``"pallas"`` (see ``eagle3jax.attention``).
 
@@ -113,6 +115,11 @@ class DecoderLM(nnx.Module):
       ``(logits [B, T or M, V] float32, aux [B, T, k*D] or None, cache)``; the returned cache
       holds the new entries at ``lengths[b] ..`` with ``lengths`` unchanged.
     """
+    if jax.sharding.get_abstract_mesh().empty:
+      raise ValueError(
+          "the model was called outside a mesh context: call it under "
+          "jax.set_mesh(model.mesh), or use eagle3jax.forward(model, tokens, capture=...)")
+    capture = as_capture_spec(capture)
     b, t = tokens.shape
     tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))
     if positions is None:

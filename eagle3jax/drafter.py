@@ -214,7 +214,8 @@ class Eagle3Drafter(nnx.Module):
 
   def __call__(self, tokens, hidden, positions, cache: kv_lib.KVCache | None = None,
                tree_mask=None, write_at=None):
-    """One drafter layer.
+    """One drafter layer. Call it under ``jax.set_mesh(drafter.mesh)`` (the target's), in or
+    out of ``jax.jit``; ``eagle3jax.draft_logits`` runs it for a full sequence.
 
     Args:
       tokens: ``[B, T]`` next-token ids (their embeddings are ``e``).
@@ -227,6 +228,10 @@ class Eagle3Drafter(nnx.Module):
     Returns:
       ``(a [B, T, D] pre-norm outputs, cache)``.
     """
+    if jax.sharding.get_abstract_mesh().empty:
+      raise ValueError(
+          "the drafter was called outside a mesh context: call it under "
+          "jax.set_mesh(drafter.mesh), or use eagle3jax.draft_logits(drafter, ...)")
     b, t = tokens.shape
     if tree_mask is None:
       tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))

@@ -28,6 +28,7 @@ from eagle3jax import capture_contract as contract
 from eagle3jax import checks, model_kinds, vocab_parallel
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
+from eagle3jax.config import DRAFTER_CONFIG_FIELDS
 from eagle3jax.distributed import barrier, is_main_process, to_host
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter, drafter_kv_repeat
 from eagle3jax.hf_target import read_config
@@ -363,6 +364,18 @@ def _verify(drafter, target, record, capture, readings, convention, hf, explanat
 HEAD_INITS = ("random", "target")
 
 
+def check_init_config(target, cfg: DrafterConfig) -> None:
+  """What ``init_drafter`` needs of ``cfg`` beyond fitting the target (``check_pair``): the
+  width of the target's token embedding, which an initialised drafter shares."""
+  check_pair(target, cfg)
+  if cfg.hidden_size != target.config.hidden_size:
+    raise ValueError(
+        f"drafter hidden_size={cfg.hidden_size} differs from the target's hidden_size="
+        f"{target.config.hidden_size}: an initialised drafter shares the target's token "
+        f"embedding [vocab_size, hidden_size], so it has the target's width (leave hidden_size "
+        f"out of the overrides)")
+
+
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
                  seed: int = 0, std: float = 0.02, d2t=None,
                  head_init: str = "random") -> Eagle3Drafter:
@@ -374,6 +387,9 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
   hidden state the way the target reads its own (EAGLE-1 kept the target's head frozen; here it
   is only the starting point). ``"random"``: N(0, std) like every other weight.
   """
+  model_kinds.require_config(
+      "init_drafter", cfg, DrafterConfig,
+      "build one for the target with DrafterConfig.for_target(target.config, capture)")
   model_kinds.require_target("init_drafter's target", target)
   if dtype is not None:
     checks.float_dtype("dtype", dtype)
@@ -383,7 +399,11 @@ def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=
     raise ValueError(f"head_init={head_init!r}; choose one of {HEAD_INITS}")
   if d2t is not None:
     check_vocab_maps(d2t, None, target.config.vocab_size, "init_drafter")
-  check_pair(target, cfg)
+    if len(d2t) != cfg.draft_vocab_size:
+      raise ValueError(f"init_drafter: d2t has {len(d2t)} entries but the config's "
+                       f"draft_vocab_size={cfg.draft_vocab_size}; they must match "
+                       f"(DrafterConfig.for_target(..., draft_vocab_size={len(d2t)}))")
+  check_init_config(target, cfg)
   base = random_fill(seed, std)
   # Target token of each draft-vocabulary row (the identity without a d2t).
   target_ids = (np.arange(cfg.draft_vocab_size) if d2t is None
@@ -483,6 +503,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     model_kinds.require_target("save_drafter's target", target)
   for k, v in (acceptance or {}).items():  # on every process, before anything is written
     contract.check_acceptance(k, v)
+  check_drafter_folder(path, "save_drafter's path")
   cfg = drafter.config
   record = getattr(drafter, "capture_record", None)
   if target is None and record is not None and record.capture != cfg.capture.layer_ids:
@@ -561,6 +582,26 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     _write(path, tensors, _hf_config(drafter, store), record, acceptance,
            own_embedding=drafter.own_embedding)
   barrier("eagle3jax.save_drafter")
+
+
+def check_drafter_folder(path: str, what: str) -> None:
+  """Refuses a folder a drafter cannot be written to: a file, or a folder holding a model other
+  than an EAGLE-3 drafter (the target's own, say), whose ``config.json`` and weights the
+  export would overwrite. A drafter's folder may be written over (a re-export)."""
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise ValueError(f"{what} {path!r} is a file; a drafter is saved to a folder")
+  config = os.path.join(path, "config.json")
+  if not os.path.isfile(config):
+    return
+  try:
+    with open(config, encoding="utf-8") as f:
+      cfg = json.load(f)
+  except (OSError, ValueError):
+    cfg = None
+  if not (isinstance(cfg, dict) and DRAFTER_CONFIG_FIELDS & set(cfg)):
+    raise ValueError(f"{what} {path!r} holds {config}, which is not an EAGLE-3 drafter's (a "
+                     "target's, perhaps): saving there would overwrite that model. Give another "
+                     "folder")
 
 
 def _hf_config(drafter: Eagle3Drafter, dtype) -> dict:

@@ -52,6 +52,9 @@ def check_prompts(prompts, vocab_size: int, what: str = "prompts") -> list[list[
       raise ValueError(f"{what} given as an array must be [B, T] integer token ids (every "
                        f"prompt the same length); got shape {tuple(prompts.shape)}: for one "
                        f"prompt pass [ids], for prompts of different lengths a list of lists")
+    if prompts.shape[0] == 0 or prompts.shape[1] == 0:
+      raise ValueError(f"{what} given as an array has shape {tuple(prompts.shape)}: it needs at "
+                       "least one prompt of at least one token")
     prompts = list(np.asarray(prompts))
   if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
     raise ValueError(f"{what} must be a non-empty list of token-id lists (or a [B, T] integer "

@@ -39,10 +39,11 @@ def require_drafter(name: str, obj, alternative: str = "") -> None:
 _INIT_OF = {"LlamaConfig": "init_target", "DeepseekConfig": "eagle3jax.init_deepseek"}
 
 
-def require_config(fn: str, cfg, expected: type) -> None:
+def require_config(fn: str, cfg, expected: type, hint: str = "") -> None:
   """Raises ``ValueError`` unless ``cfg`` (the config given to ``fn``) is an ``expected``;
-  names the init function of the config family it is, if another."""
+  says ``hint`` if given, else names the init function of the config family it is."""
   if not isinstance(cfg, expected):
     other = _INIT_OF.get(type(cfg).__name__)
+    advice = hint or (f"use {other} for that config" if other else "")
     raise ValueError(f"{fn} takes a {expected.__name__}, got {type(cfg).__name__}"
-                     + (f": use {other} for that config" if other else ""))
+                     + (f": {advice}" if advice else ""))

@@ -1,5 +1,6 @@
 """Package layout and every bad-input path of the foundation, with its message."""
 
+import dataclasses
 import json
 import os
 
@@ -378,6 +379,58 @@ def test_models_of_the_wrong_kind_and_bad_init_arguments_are_named(tmp_path):
   with pytest.raises(ValueError, match=r"input_ids has 513 positions, more than the target's "
                                        r"max_position_embeddings=512"):
     eagle3jax.forward(target, np.ones((1, 513), np.int32))
+  # The target's config where the drafter's goes (an AttributeError inside), or none at all.
+  for cfg, got in ((tcfg, "LlamaConfig"), (None, "NoneType")):
+    with pytest.raises(ValueError, match=rf"init_drafter takes a DrafterConfig, got {got}: "
+                                         r"build one for the target with DrafterConfig"):
+      eagle3jax.init_drafter(cfg, target=target)
+  wide = dataclasses.replace(dcfg, hidden_size=32, target_hidden_size=64)
+  with pytest.raises(ValueError, match=r"drafter hidden_size=32 differs from the target's "
+                                       r"hidden_size=64: an initialised drafter shares"):
+    eagle3jax.init_drafter(wide, target=target)  # was "use a checkpoint that carries ..."
+  with pytest.raises(ValueError, match=r"d2t has 4 entries but the config's draft_vocab_size="
+                                       r"131; they must match"):
+    eagle3jax.init_drafter(dcfg, target=target, d2t=np.zeros(4, np.int32))
+  # The Trainer checks its models as generate does: kinds, then the pairing.
+  from eagle3jax import training
+  data = training.pack([[1, 2, 3]] * 2, [[4, 5, 6]] * 2, 8)
+  tc = eagle3jax.TrainConfig(total_steps=1, warmup_steps=0, batch_size=2, seq_len=8)
+  with pytest.raises(ValueError, match="Trainer's target " + got_drafter):
+    training.Trainer(drafter, target, data, tc)
+  with pytest.raises(ValueError, match="Trainer's config must be a TrainConfig, got dict"):
+    training.Trainer(target, drafter, data, {"seq_len": 8})
+  other = eagle3jax.init_target(tcfg, seed=1)
+  with pytest.raises(ValueError, match="the drafter passed to Trainer shares the token "
+                                       "embedding of another target"):
+    training.Trainer(other, drafter, data, tc)
+  # Called directly outside a mesh context, the models raised a ShardingTypeError from inside.
+  ids = jnp.asarray([[1, 2, 3]])
+  with pytest.raises(ValueError, match=r"the model was called outside a mesh context: call it "
+                                       r"under jax.set_mesh\(model.mesh\)"):
+    target(ids)
+  with pytest.raises(ValueError, match=r"the drafter was called outside a mesh context"):
+    drafter(ids, jnp.zeros((1, 3, 64)), jnp.arange(3)[None])
+  with jax.set_mesh(target.mesh):  # a list of layer ids is a capture, as in forward
+    _, aux, _ = target(ids, capture=[0, 2])
+  np.testing.assert_allclose(np.asarray(aux), np.asarray(
+      eagle3jax.forward(target, [[1, 2, 3]], capture=[0, 2]).aux_hidden), rtol=1e-6, atol=1e-6)
+  # save_drafter onto a file (a FileExistsError from os.makedirs) or over the target's folder.
+  from eagle3jax.hf_export import save_target
+  (tmp_path / "afile").write_text("x")
+  with pytest.raises(ValueError, match=r"save_drafter's path .*afile' is a file; a drafter is "
+                                       r"saved to a folder"):
+    eagle3jax.save_drafter(drafter, str(tmp_path / "afile"))
+  save_target(target, str(tmp_path / "tgt"))
+  before = (tmp_path / "tgt" / "model.safetensors").read_bytes()
+  with pytest.raises(ValueError, match=r"holds .*config.json, which is not an EAGLE-3 "
+                                       r"drafter's .*: saving there would overwrite that model"):
+    eagle3jax.save_drafter(drafter, str(tmp_path / "tgt"), target=target)
+  assert (tmp_path / "tgt" / "model.safetensors").read_bytes() == before
+  eagle3jax.save_drafter(drafter, str(tmp_path / "d"))
+  eagle3jax.save_drafter(drafter, str(tmp_path / "d"))  # a drafter's folder: a re-export
+  with pytest.raises(ValueError, match=r"prompts given as an array has shape \(0, 3\): it "
+                                       r"needs at least one prompt"):
+    eagle3jax.generate(target, None, np.zeros((0, 3), np.int32), max_new_tokens=2)
 
 
 def test_train_drafter_checks_its_prompts_before_writing_anything(tmp_path):
@@ -398,4 +451,11 @@ def test_train_drafter_checks_its_prompts_before_writing_anything(tmp_path):
   with pytest.raises(ValueError, match=r"drafter config field intermediate_size=0"):
     eagle3jax.train_drafter(target, [[5, 6]], str(out), eagle3jax.TrainConfig(seq_len=64),
                             capture=[0, 1, 2], drafter_overrides={"intermediate_size": 0})
+  # Another width was refused only after the regeneration, by init_drafter.
+  for overrides, message in (({"hidden_size": 32}, r"drafter target_hidden_size=32 differs"),
+                             ({"hidden_size": 32, "target_hidden_size": 64},
+                              r"drafter hidden_size=32 differs from the target's")):
+    with pytest.raises(ValueError, match=message):
+      eagle3jax.train_drafter(target, [[5, 6]], str(out), eagle3jax.TrainConfig(seq_len=64),
+                              capture=[0, 1, 2], drafter_overrides=overrides)
   assert not out.exists()

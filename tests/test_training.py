@@ -548,7 +548,7 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
   target_dir = tmp_path / "target"
   target_dir.mkdir()
   (target_dir / "config.json").write_text('{"model_type": "llama", "vocab_size": 131}')
-  refused(r"holds .*config.json, which is not an EAGLE-3 drafter's .*: exporting there would "
+  refused(r"holds .*config.json, which is not an EAGLE-3 drafter.s .*: saving there would "
           r"overwrite that model", out=str(target_dir))
 
 

@@ -46,9 +46,9 @@ from eagle3jax import checks, model_kinds, monitor
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
-from eagle3jax.config import DRAFTER_CONFIG_FIELDS
 from eagle3jax.drafter import DrafterConfig
-from eagle3jax.drafter_io import HEAD_INITS, init_drafter, save_drafter
+from eagle3jax.drafter_io import (HEAD_INITS, check_drafter_folder, check_init_config,
+                                  init_drafter, save_drafter)
 from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.tree import checked_shape
@@ -375,6 +375,17 @@ class Trainer:
 
   def __init__(self, target, drafter, data: TrainingData, config: TrainConfig, *,
                checkpoint_dir: str | None = None):
+    # The pair is checked as generate checks it: a drafter that does not fit this target, or
+    # shares another target's embedding, would train on features it is never served with.
+    model_kinds.require_target("Trainer's target", target)
+    model_kinds.require_drafter("Trainer's drafter", drafter)
+    for name, value, kind in (("data", data, TrainingData), ("config", config, TrainConfig)):
+      if not isinstance(value, kind):
+        raise ValueError(f"Trainer's {name} must be a {kind.__name__}, got "
+                         f"{type(value).__name__}")
+    contract.check_pair(target, drafter.config)
+    contract.check_mesh(target, drafter.mesh)
+    contract.check_served(target, drafter, where="the drafter passed to Trainer")
     if data.seq_len != config.seq_len:
       raise ValueError(f"training data has seq_len={data.seq_len} but TrainConfig.seq_len="
                        f"{config.seq_len}")
@@ -595,23 +606,6 @@ class TrainResult:
 HELDOUT_NEW_TOKENS = 128
 
 
-def _check_out_dir(out_dir: str) -> None:
-  """Refuses an ``out_dir`` that holds a model other than an EAGLE-3 drafter (the target's own
-  folder, say): the export would overwrite its ``config.json`` and weights."""
-  path = os.path.join(out_dir, "config.json")
-  if not os.path.isfile(path):
-    return
-  try:
-    with open(path, encoding="utf-8") as f:
-      cfg = json.load(f)
-  except (OSError, ValueError):
-    cfg = None
-  if not (isinstance(cfg, dict) and DRAFTER_CONFIG_FIELDS & set(cfg)):
-    raise ValueError(f"out_dir {out_dir!r} holds {path}, which is not an EAGLE-3 drafter's "
-                     "(a target's, perhaps): exporting there would overwrite that model. Give "
-                     "another out_dir")
-
-
 def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
                   capture: CaptureSpec | Sequence[int] | None = None,
@@ -676,8 +670,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   if heldout_prompts and shape.topk > draft_vocab_size:
     raise ValueError(f"heldout_shape={tuple(heldout_shape)}: topk={shape.topk} exceeds the "
                      f"draft vocabulary of {draft_vocab_size} tokens")
-  DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
-                           **(drafter_overrides or {}))  # refuses bad overrides up front
+  check_init_config(target, DrafterConfig.for_target(  # refuses bad overrides up front
+      target.config, capture, draft_vocab_size=draft_vocab_size, **(drafter_overrides or {})))
   too_long = next((i for i, p in enumerate(prompts)
                    if len(p) + config.max_new_tokens > limit), None)
   if too_long is not None:  # what generate would refuse in the middle of the regeneration
@@ -686,7 +680,7 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
         f"generates max_new_tokens={config.max_new_tokens} after it, past the target's "
         f"max_position_embeddings={limit}; shorten it (a training sequence keeps only its first "
         f"seq_len={config.seq_len} tokens) or lower max_new_tokens")
-  _check_out_dir(out_dir)
+  check_drafter_folder(out_dir, "out_dir")
   checkpoint_dir = checkpoint_dir or os.path.join(out_dir, "train_state")
   progress = progress and distributed.is_main_process()
   os.makedirs(checkpoint_dir, exist_ok=True)
