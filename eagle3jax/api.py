@@ -13,6 +13,7 @@ from flax import nnx
 
 from eagle3jax import model_kinds
 from eagle3jax.capture import CaptureSpec, as_capture_spec
+from eagle3jax.semantics import standard_numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ def check_tokens(tokens, vocab_size: int, what: str = "input_ids") -> np.ndarray
   return arr.astype(np.int32)
 
 
+@standard_numpy
 def forward(target, input_ids, *, capture: CaptureSpec | Sequence[int] | None = None
             ) -> ForwardOutput:
   """Runs ``target`` over full sequences ``input_ids [B, T]`` (causal, positions 0..T-1).

@@ -22,6 +22,7 @@ from eagle3jax import stack as stack_lib
 from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
 from eagle3jax.layers import einsum, rms_norm
 from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, shard
+from eagle3jax.semantics import standard_numpy
 
 ACT = (BATCH, SEQ, EMBED)
 
@@ -91,6 +92,7 @@ class DecoderLM(nnx.Module):
     logits = einsum("BTD,DV->BTV", x, w, (BATCH, SEQ, VOCAB))
     return logits.astype(jnp.float32)
 
+  @standard_numpy
   def __call__(self, tokens, positions=None, cache: kv_lib.KVCache | None = None,
                tree_mask=None, capture: CaptureSpec | None = None, *,
                logits_index=None, attention_impl: str = "xla"):

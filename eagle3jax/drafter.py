@@ -31,6 +31,7 @@ from eagle3jax.llama import ACT, LlamaMLP, kv_head_replication
 from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig, apply_rope
 from eagle3jax.sharding import (BATCH, CAPTURE, EMBED, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
                                 out_spec, shard)
+from eagle3jax.semantics import standard_numpy
 
 
 class Buffer(nnx.Variable):
@@ -172,10 +173,12 @@ class Eagle3Drafter(nnx.Module):
     shape = tokens.shape + (table.shape[1],)
     return table.at[tokens].get(out_sharding=out_spec(ACT, shape)).astype(self.dtype)
 
+  @standard_numpy
   def project(self, aux: jax.Array) -> jax.Array:
     """``fc``: fused target features ``[B, T, k*Dt]`` -> drafter hidden ``[B, T, D]``."""
     return einsum("BTC,CD->BTD", aux.astype(self.dtype), self.fc[...], ACT)
 
+  @standard_numpy
   def logits(self, a: jax.Array) -> jax.Array:
     """Draft-vocab float32 logits from pre-norm outputs ``a [B, T, D]``."""
     out = einsum("BTD,DV->BTV", self.norm(a), self.lm_head[...], (BATCH, SEQ, VOCAB))
@@ -212,6 +215,7 @@ class Eagle3Drafter(nnx.Module):
     u = shard(hidden + merge_heads(o, self.self_attn.o_proj[...], ACT), ACT)
     return shard(u + self.mlp(self.post_attention_layernorm(u)), ACT)
 
+  @standard_numpy
   def __call__(self, tokens, hidden, positions, cache: kv_lib.KVCache | None = None,
                tree_mask=None, write_at=None):
     """One drafter layer. Call it under ``jax.set_mesh(drafter.mesh)`` (the target's), in or

@@ -36,6 +36,7 @@ from eagle3jax.params import materialize, random_fill
 from eagle3jax.rope import RopeConfig
 from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR
+from eagle3jax.semantics import standard_numpy
 
 log = logging.getLogger("eagle3jax")
 
@@ -194,6 +195,7 @@ def check_vocab_maps(d2t: np.ndarray, t2d: np.ndarray | None, vocab_size: int,
                        "at the target ids i + d2t[i]")
 
 
+@standard_numpy
 def load_drafter(path: str, *, target, mesh: Mesh | None = None,
                  aux_layer_convention: str | None = None, dtype=None,
                  verify_capture: bool = True) -> Eagle3Drafter:
@@ -376,6 +378,7 @@ def check_init_config(target, cfg: DrafterConfig) -> None:
         f"out of the overrides)")
 
 
+@standard_numpy
 def init_drafter(cfg: DrafterConfig, *, target, mesh: Mesh | None = None, dtype=None,
                  seed: int = 0, std: float = 0.02, d2t=None,
                  head_init: str = "random") -> Eagle3Drafter:
@@ -464,6 +467,7 @@ def _host(x) -> np.ndarray:
   return to_host(x)
 
 
+@standard_numpy
 def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool = True,
                  target=None, calibration_ids=None, acceptance: dict | None = None,
                  dtype=None) -> None:
@@ -653,6 +657,7 @@ def _draft_logits(graphdef, state, tokens, aux):
   return drafter.logits(a)
 
 
+@standard_numpy
 def draft_logits(drafter: Eagle3Drafter, input_ids, aux_hidden) -> jax.Array:
   """Runs the drafter over a full sequence: ``[B, T, draft_vocab]`` float32 logits.
 

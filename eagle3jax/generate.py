@@ -25,6 +25,7 @@ from eagle3jax.distributed import to_host
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.tree import TreeShape
+from eagle3jax.semantics import standard_numpy
 
 MIN_BUCKET = 16
 
@@ -207,6 +208,7 @@ def _check_models(target, drafter) -> None:
     model_kinds.require_drafter("drafter", drafter, " or None for autoregressive decoding")
 
 
+@standard_numpy
 def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, num_steps: int = 5, topk: int = 1,
              num_draft_tokens: int = 6, capture: CaptureSpec | Sequence[int] | None = None,

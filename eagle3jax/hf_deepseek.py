@@ -19,10 +19,12 @@ from eagle3jax.quant_config import QuantizationConfig, linear_schemes
 from eagle3jax.quant_io import dequantize_fp8
 from eagle3jax.sharding import validate_mesh
 from eagle3jax.weights import deepseek_table
+from eagle3jax.semantics import standard_numpy
 
 __all__ = ["dequantize_fp8", "init_deepseek"]
 
 
+@standard_numpy
 def init_deepseek(cfg: DeepseekConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                   seed: int = 0, std: float = 0.02,
                   quantization: QuantizationConfig | None = None):

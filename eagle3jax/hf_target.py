@@ -43,6 +43,7 @@ from eagle3jax.safetensors_io import SafetensorsDir, check_finite
 from eagle3jax.sharding import TENSOR, validate_mesh
 from eagle3jax import stack as stack_lib
 from eagle3jax import weights as weights_lib
+from eagle3jax.semantics import standard_numpy
 
 log = logging.getLogger("eagle3jax")
 
@@ -140,6 +141,7 @@ def _layer_loop(model, layer_loop: str):
   return model
 
 
+@standard_numpy
 def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
                 quantization: str = "keep", layer_loop: str = "scan"):
   """Loads a Hugging Face Llama/Qwen2/Qwen3 or DeepSeek-V3/Kimi-K2/Kimi-K2.5 checkpoint.
@@ -266,6 +268,7 @@ def load_target(path: str, *, mesh: Mesh | None = None, dtype=jnp.bfloat16,
   return _layer_loop(model, layer_loop)
 
 
+@standard_numpy
 def init_target(cfg: LlamaConfig, *, mesh: Mesh | None = None, dtype=jnp.float32,
                 seed: int = 0, std: float = 0.02, layer_loop: str = "scan"):
   """A randomly initialised target (the same weights on every mesh for the same seed);

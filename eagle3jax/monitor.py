@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 
 from eagle3jax import checks
+from eagle3jax.semantics import standard_numpy
 
 # Warn when, over at least MIN_ROUNDS greedy rounds, the live accepted drafts per round
 # (acceptance length - 1) fall below FAR_BELOW times the recorded ones.
@@ -53,6 +54,7 @@ def compare(stats: dict, drafter, num_steps: int, topk: int, num_draft_tokens: i
 DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))
 
 
+@standard_numpy
 def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
                        max_new_tokens: int = 128, batch_size: int = 8,
                        eos_ids=None) -> dict[str, float]:

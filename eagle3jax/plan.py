@@ -54,6 +54,7 @@ from eagle3jax.sampling import SamplingParams
 from eagle3jax.checks import is_integer
 from eagle3jax.sharding import BATCH, SEQ, TENSOR, make_mesh, param_spec, shard
 from eagle3jax.tree import TreeShape
+from eagle3jax.semantics import standard_numpy
 
 GIB = 1 << 30
 
@@ -279,6 +280,7 @@ def _persistent_cache() -> str | None:
   return jax.config.jax_compilation_cache_dir or None
 
 
+@standard_numpy
 def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor: int = 8,
          hbm_gib: float | None = None, device: str = "h200", batch: int = 1,
          context: int = 32768, prompt_len: int | None = None, quantization: str = "keep",

@@ -57,6 +57,7 @@ from eagle3jax.training.data import (DataPosition, TargetFeatures, TrainingData,
                                      target_features)
 from eagle3jax.training.ttt import loss_start, reference_ttt_loss, ttt_loss
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
+from eagle3jax.semantics import standard_numpy
 
 log = logging.getLogger("eagle3jax")
 
@@ -373,6 +374,7 @@ class Trainer:
   ``drafter`` property writes them back into the module and returns it.
   """
 
+  @standard_numpy
   def __init__(self, target, drafter, data: TrainingData, config: TrainConfig, *,
                checkpoint_dir: str | None = None):
     # The pair is checked as generate checks it: a drafter that does not fit this target, or
@@ -437,6 +439,7 @@ class Trainer:
     return self._capture
 
   # --- features and batches ---
+  @standard_numpy
   def features(self, tokens) -> TargetFeatures:
     """What the step trains on for ``tokens [B, T]``: captures, the target's logits at the
     draft vocabulary and its argmax (reduced inside the target's jitted forward)."""
@@ -447,6 +450,7 @@ class Trainer:
     return jax.device_put(x, NamedSharding(self.mesh, spec))
 
   # --- training ---
+  @standard_numpy
   def train_step(self) -> dict:
     """One optimiser step on the next batch; returns host metrics of that step."""
     cfg = self.config
@@ -490,6 +494,7 @@ class Trainer:
       self.save()
     return record
 
+  @standard_numpy
   def train(self, num_steps: int | None = None, *, progress: bool = True) -> list[dict]:
     """Runs ``num_steps`` steps (default: up to ``total_steps``); returns their records."""
     end = self.config.total_steps if num_steps is None else min(
@@ -606,6 +611,7 @@ class TrainResult:
 HELDOUT_NEW_TOKENS = 128
 
 
+@standard_numpy
 def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
                   capture: CaptureSpec | Sequence[int] | None = None,

@@ -1,0 +1,61 @@
+"""The public API under a caller's strict JAX numpy config.
+
+Research code often sets ``jax_numpy_rank_promotion="raise"`` and
+``jax_numpy_dtype_promotion="strict"``. The library's code is written for JAX's defaults, so
+its entry points and the models' ``__call__`` run under them (``eagle3jax.semantics``): under
+the strict config every flow below gives what it gives under the defaults, and the caller's own
+code stays strict.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eagle3jax
+
+CFG = eagle3jax.LlamaConfig.tiny(num_hidden_layers=8)
+CAPTURE = eagle3jax.CaptureSpec.eagle3_default(8)
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7, 8]]
+TREE = dict(num_steps=3, topk=2, num_draft_tokens=5)
+
+
+def strict():
+  return jax.numpy_rank_promotion("raise"), jax.numpy_dtype_promotion("strict")
+
+
+def test_every_entry_point_runs_under_a_strict_numpy_config(tmp_path):
+  target = eagle3jax.init_target(CFG)
+  logits = np.asarray(eagle3jax.forward(target, [[1, 2, 3]], capture=CAPTURE).logits)
+  baseline = eagle3jax.generate(target, None, PROMPTS, max_new_tokens=12, eos_ids=[]).tokens
+  rank, dtype = strict()
+  with rank, dtype:
+    # Without the library's semantics these raised: rank in rms_norm, rope and the MoE router,
+    # dtype in the decode loop's counters.
+    with pytest.raises(ValueError, match="could not be broadcast"):
+      _ = jnp.ones(3) + jnp.ones((2, 3))  # the caller's own code stays strict
+    target = eagle3jax.init_target(CFG)
+    np.testing.assert_array_equal(
+        np.asarray(eagle3jax.forward(target, [[1, 2, 3]], capture=CAPTURE).logits), logits)
+    with jax.set_mesh(target.mesh):  # the model traced inside the caller's own jit
+      mine = jax.jit(lambda ids: target(ids)[0])(jnp.asarray([[1, 2, 3]]))
+    np.testing.assert_allclose(np.asarray(mine), logits, rtol=1e-6, atol=1e-6)
+    drafter = eagle3jax.init_drafter(eagle3jax.DrafterConfig.for_target(CFG, CAPTURE),
+                                     target=target)
+    out = eagle3jax.generate(target, drafter, PROMPTS, max_new_tokens=12, eos_ids=[], **TREE)
+    assert out.tokens == baseline
+    sampled = eagle3jax.generate(target, drafter, PROMPTS, max_new_tokens=6, eos_ids=[],
+                                 temperature=0.8, top_p=0.9, top_k=5, **TREE)
+    assert [len(t) for t in sampled.tokens] == [6, 6]
+    eagle3jax.train_drafter(
+        target, [[1, 2, 3, 4]] * 8, str(tmp_path / "d"),
+        eagle3jax.TrainConfig(total_steps=2, warmup_steps=1, batch_size=4, seq_len=16,
+                              max_new_tokens=8, draft_vocab_size=32),
+        capture=CAPTURE, progress=False, heldout_prompts=[[1, 2, 3]])
+    trained = eagle3jax.load_drafter(str(tmp_path / "d"), target=target)
+    aux = eagle3jax.forward(target, [[1, 2, 3]], capture=CAPTURE).aux_hidden
+    assert eagle3jax.draft_logits(trained, [[2, 3, 4]], aux).shape == (1, 3, 32)
+    eagle3jax.save_drafter(trained, str(tmp_path / "again"), target=target)
+    deepseek = eagle3jax.init_deepseek(eagle3jax.DeepseekConfig.tiny())
+    assert [len(t) for t in eagle3jax.generate(deepseek, None, PROMPTS, max_new_tokens=4,
+                                               eos_ids=[]).tokens] == [4, 4]
