@@ -7,9 +7,10 @@ query ``i`` of row ``b`` sees cache keys ``[0, lengths[b])`` and new key ``j`` (
 window holding the earlier tree levels (XLA path only). A query that sees no key gets zeros. The
 XLA path below materialises the ``[B, N, T, S]`` scores; ``eagle3jax.kernels.tree_attention`` is
 the Pallas kernel with the same contract, chosen by ``attention_impl`` for calls of at most
-``MAX_TREE_TOKENS`` (64) new tokens: decode steps and verification. A prefill (the whole prompt
-bucket) and larger trees take the XLA path whatever ``attention_impl`` says, since the kernel
-holds the new tokens' keys and mask as single tiles.
+``MAX_TREE_TOKENS`` (64) new tokens: decode steps, verification and the prefill of prompt
+buckets up to 64. Calls of more new tokens (longer prefills, larger trees) take the XLA path
+whatever ``attention_impl`` says, since the kernel holds the new tokens' keys and mask as single
+tiles.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
   if impl in ("pallas", "pallas_interpret"):
     # pylint: disable-next=import-outside-toplevel
     from eagle3jax.kernels import MAX_TREE_TOKENS, tree_attention_sharded
-    if q.shape[1] > MAX_TREE_TOKENS:  # a prefill or a large tree
+    if q.shape[1] > MAX_TREE_TOKENS:  # a long prefill or a large tree
       return _attend_xla(q, k, v, lengths, tree_mask, scale)
     mesh = jax.sharding.get_abstract_mesh()
     return tree_attention_sharded(q, k, v, lengths, tree_mask, mesh=mesh, sm_scale=scale,

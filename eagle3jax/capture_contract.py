@@ -53,6 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from eagle3jax import checks
 from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
 from eagle3jax.distributed import to_host
 from eagle3jax.sharding import BATCH, EMBED, SEQ, shard
@@ -803,7 +804,7 @@ def judge_probe(scores: dict[str, float], readings: dict[str, CaptureSpec], chos
         + "; a drafter trained on this target scores about 0.7): it was very likely trained "
         "for another target, or not trained. Decoding stays correct but gains nothing; use "
         "the target it was trained for, or retrain it on this one", CaptureWarning,
-        stacklevel=4)
+        stacklevel=checks.outside_stacklevel())
   if best != chosen and readings[best] != readings[chosen] and (
       mine < PROBE_RATIO * top and mine < top - PROBE_MARGIN):
     raise ValueError(

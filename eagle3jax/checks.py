@@ -6,6 +6,7 @@ in for integers), so ``generate``, ``TreeShape``, ``CaptureSpec``, ``make_mesh``
 from __future__ import annotations
 
 import math
+import sys
 
 import jax
 import numpy as np
@@ -124,3 +125,13 @@ def seed_and_std(seed, std) -> tuple[int, float]:
     raise ValueError(f"std={std} must be a finite number >= 0 (the weights' standard "
                      "deviation)")
   return seed, std
+
+
+def outside_stacklevel() -> int:
+  """``warnings.warn``'s ``stacklevel`` for the first frame outside this package, called from
+  the function that warns: the warning names the caller's line, however deep the library's
+  own calls (and ``semantics.standard_numpy``'s wrappers) run."""
+  frame, level = sys._getframe(1), 1  # pylint: disable=protected-access
+  while frame is not None and frame.f_globals.get("__name__", "").split(".")[0] == "eagle3jax":
+    frame, level = frame.f_back, level + 1
+  return level

@@ -25,6 +25,7 @@ import numpy as np
 
 from eagle3jax import checks
 from eagle3jax.flags import parse_ints
+from eagle3jax.semantics import standard_numpy
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_DIR = os.path.join(REPO, "models", "default")
@@ -291,6 +292,7 @@ def load_demo_target(out_dir: str):
   return target, TextCodec(target_dir).tokenizer
 
 
+@standard_numpy
 def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                      seed: int = 99, shapes=((7, 1, 8), (5, 4, 8)), max_new_tokens: int = 128,
                      batch_size: int = 8, loaded=None,
@@ -317,6 +319,7 @@ def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int 
   return out
 
 
+@standard_numpy
 def drafter_misses(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                    seed: int = 99, response_len: int = 128, batch_size: int = 16,
                    loaded=None, log=print) -> dict:

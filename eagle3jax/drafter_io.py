@@ -600,8 +600,10 @@ def check_drafter_folder(path: str, what: str) -> None:
   try:
     with open(config, encoding="utf-8") as f:
       cfg = json.load(f)
-  except (OSError, ValueError):
-    cfg = None
+  except (OSError, ValueError) as e:
+    raise ValueError(f"{what} {path!r} holds {config}, which cannot be read as JSON ({e}): an "
+                     "interrupted export, or another tool's file. Remove it, or give another "
+                     "folder") from None
   if not (isinstance(cfg, dict) and DRAFTER_CONFIG_FIELDS & set(cfg)):
     raise ValueError(f"{what} {path!r} holds {config}, which is not an EAGLE-3 drafter's (a "
                      "target's, perhaps): saving there would overwrite that model. Give another "

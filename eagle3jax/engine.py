@@ -418,9 +418,12 @@ def _decode_fn(graphdef, params, st, dyn, max_rounds, spec):
     st, i = carry
     new = (_ar_round(target, st, dyn, spec) if spec.tree is None
            else _spec_round(target, drafter, st, dyn, spec))
-    # The carry keeps its types: under jax_enable_x64 sums and argmaxes of int32 give int64,
-    # which while_loop refuses (every such value here fits int32).
-    return jax.tree.map(lambda x, old: x.astype(old.dtype), new, st), i + 1
+    # The carry keeps its integer types: under jax_enable_x64 sums and argmaxes of int32 give
+    # int64, which while_loop refuses (every such value here fits int32). Floats are not cast:
+    # a float of another dtype would be a bug, and while_loop names it.
+    keep = lambda x, old: (x.astype(old.dtype)  # noqa: E731
+                           if jnp.issubdtype(old.dtype, jnp.integer) else x)
+    return jax.tree.map(keep, new, st), i + 1
 
   st, _ = jax.lax.while_loop(cond, body, (st, jnp.int32(0)))
   return st

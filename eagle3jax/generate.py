@@ -18,6 +18,7 @@ from eagle3jax import engine as eng
 from eagle3jax.attention import ATTENTION_IMPLS
 from eagle3jax import capture_contract as contract
 from eagle3jax import model_kinds, monitor
+from eagle3jax import params as params_lib
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.decoder import DecoderLM
 from eagle3jax.drafter import Eagle3Drafter
@@ -25,6 +26,7 @@ from eagle3jax.distributed import to_host
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, SEQ, shard
 from eagle3jax.tree import TreeShape
+from eagle3jax import semantics
 from eagle3jax.semantics import standard_numpy
 
 MIN_BUCKET = 16
@@ -96,16 +98,17 @@ def _cache_len(need: int) -> int:
 
 
 def output_bucket(max_new_tokens: int) -> int:
-  """The new tokens a cache is sized for: a multiple of 64 up to 256, then two buckets per
-  octave (384, 512, 768, 1024, 1536, ...), so that at most 1.5x the tokens asked are held and
-  requests up to 2048 new tokens share 10 output buckets rather than 32. The engine stops each
-  row at ``max_new_tokens`` itself (a runtime value), so every length of a bucket runs the same
-  programs."""
+  """The new tokens a cache is sized for: a multiple of 64 up to 512, then four buckets per
+  octave (640, 768, 896, 1024, 1280, ...). The engine stops each row at ``max_new_tokens``
+  itself (a runtime value), so every length of a bucket runs the same programs; requests up to
+  2048 new tokens share 16 output buckets rather than 32. The cost: the XLA attention path
+  reads the whole cache, so a bucket above what is asked costs decode time (at most 63 slots
+  up to 512, then at most 1.25x the tokens asked)."""
   n = max(1, int(max_new_tokens))
-  if n <= 256:
+  if n <= 512:
     return _cache_len(n)
-  octave = 1 << (n - 1).bit_length()
-  return octave * 3 // 4 if n <= octave * 3 // 4 else octave
+  quarter = (1 << (n - 1).bit_length()) // 8  # a quarter of the octave below
+  return -(-n // quarter) * quarter
 
 
 # The compiled prefill and decode programs, least recently used first. Bounded: a process that
@@ -122,6 +125,7 @@ def _compiled(name, fn, *args, **static):
   (the ``MAX_COMPILED`` most recently used programs are kept)."""
   leaves, treedef = jax.tree.flatten(args)
   key = (name, treedef, tuple(sorted(static.items(), key=lambda kv: kv[0])),
+         bool(jax.config.jax_enable_x64),  # traced with 64-bit types or not
          tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
   hit = _COMPILED.get(key)
   if hit is not None:
@@ -153,9 +157,11 @@ def _drop_jit_caches() -> None:
 
 
 def clear_compiled() -> None:
-  """Frees every compiled prefill and decode program (the next ``generate`` compiles again)."""
+  """Frees every compiled prefill and decode program (the next ``generate`` compiles again),
+  and the loaders' zero-fill programs."""
   _COMPILED.clear()
   _drop_jit_caches()
+  params_lib.clear_programs()
 
 
 def set_max_compiled(n: int) -> None:
@@ -318,7 +324,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
           f"positions up to {longest + max_new_tokens + num_steps} exceed the drafter's "
           f"max_position_embeddings={drafter.config.max_position_embeddings} (its training "
           "length): its RoPE is untrained there and acceptance usually falls (output stays "
-          "correct)", stacklevel=2)
+          "correct)", stacklevel=checks.outside_stacklevel())
   greedy = temperature == 0.0  # greedy decoding never reads top_k: not part of its programs
   spec = eng.EngineSpec(tree=tree, sampling=SamplingParams(greedy=greedy,
                                                            top_k=0 if greedy else int(top_k)),
@@ -353,7 +359,7 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
         break
       out_len = to_host(st.out_len)
       out = to_host(st.out)
-      on_tokens([out[i, :out_len[i]].tolist() for i in range(b)])
+      semantics.as_caller(on_tokens, [out[i, :out_len[i]].tolist() for i in range(b)])
       if to_host(st.done).all():
         break
     jax.block_until_ready(st.out)

@@ -48,7 +48,7 @@ def compare(stats: dict, drafter, num_steps: int, topk: int, num_draft_tokens: i
         f"({num_steps}, {topk}, {num_draft_tokens}). Output is still correct, but the drafter "
         f"is probably fed other target features than it was trained on (capture ids, "
         f"convention, target) or the prompts are far from its training data; see README, "
-        f"'Capture contract'", AcceptanceWarning, stacklevel=3)
+        f"'Capture contract'", AcceptanceWarning, stacklevel=checks.outside_stacklevel())
 
 
 DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))

@@ -100,8 +100,11 @@ def _warn_replicated(flat, mesh: Mesh) -> None:
   parallelism the caller asked for that they would otherwise only meet as memory."""
   dims, nbytes, count = {}, 0, 0
   for _, var in flat:
-    value = var.get_value()
-    found = undivided(var.get_metadata()["axes"], value.shape, mesh)
+    meta, value = var.get_metadata(), var.get_value()
+    part = quant.part_of(meta.get("init", "normal"))
+    if meta.get("axes") is None or (part is not None and part[1] == "scale"):
+      continue  # no axes: refused below; a scale's block counts are not model dimensions
+    found = undivided(meta["axes"], value.shape, mesh)
     for name, dim, mesh_axis, size in found:
       dims[(name, dim, mesh_axis, size)] = None
     if found:
@@ -111,7 +114,7 @@ def _warn_replicated(flat, mesh: Mesh) -> None:
     what = ", ".join(f"{name} ({dim}) over {axis}={size}" for name, dim, axis, size in dims)
     warnings.warn(f"this mesh does not divide {what}: {count} weights ({nbytes / 2**20:.1f} "
                   "MiB) are replicated on every device instead of split. Use a mesh axis size "
-                  "that divides them to shard them", stacklevel=4)
+                  "that divides them to shard them", stacklevel=checks.outside_stacklevel())
 
 
 def _units(flat) -> list[list[int]]:
@@ -166,11 +169,16 @@ def _read_slice(host: np.ndarray, idx: tuple, kv_axis: int | None, kv_repeat: in
   return np.array(host[idx], dtype=dtype)  # a copy: device arrays never alias the file
 
 
+def clear_programs() -> None:
+  """Frees the zero-fill programs kept for later loads (``eagle3jax.clear_compiled``)."""
+  _zeros_fn.cache_clear()
+
+
 def _zeros(shape, dtype, sharding):
   return _zeros_fn(tuple(shape), jnp.dtype(dtype), sharding)()
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _zeros_fn(shape, dtype, sharding):
   # Kept per (shape, dtype, sharding), so a second load of the same model compiles nothing
   # (a fresh jax.jit per call compiled every zero-filled buffer again).

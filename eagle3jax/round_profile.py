@@ -27,6 +27,7 @@ from eagle3jax import engine as eng
 from eagle3jax.generate import _compiled, generate, start
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.tree import TreeShape
+from eagle3jax.semantics import standard_numpy
 
 PHASES = ("draft", "verify", "accept_commit", "catch_up")
 
@@ -47,6 +48,7 @@ def _copy(tree):
   return jax.tree.map(jnp.copy, tree)
 
 
+@standard_numpy
 def phase_times(target, drafter, prompt: list[int], tree: TreeShape, *,
                 max_new_tokens: int = 128, warm_rounds: int = 4,
                 repeats: int = 40) -> dict[str, float]:
@@ -110,6 +112,7 @@ def check_new_tokens(max_new_tokens) -> int:
   return int(max_new_tokens)
 
 
+@standard_numpy
 def loop_times(target, drafter, prompts, tree: TreeShape, *,
                max_new_tokens: int = 128) -> tuple[float, float]:
   """``(round ms, autoregressive step ms)`` in the real decode loop, batch 1, alternating."""
@@ -129,6 +132,7 @@ def loop_times(target, drafter, prompts, tree: TreeShape, *,
   return 1e3 * sec["spec"] / rounds["spec"], 1e3 * sec["ar"] / rounds["ar"]
 
 
+@standard_numpy
 def profile_round(target, drafter, prompts, tree: TreeShape, *, max_new_tokens: int = 128,
                   repeats: int = 40) -> dict:
   """The breakdown of one tree shape: phase and round milliseconds and the same in

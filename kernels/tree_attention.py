@@ -41,8 +41,8 @@ _TARGET_PROGRAMS = 512
 # Most tree tokens the kernel takes. Its programs hold all P tree keys and values and the
 # ``[block_m, P]`` mask and scores as single tiles (step 2 below), so P is bounded like a cache
 # block: at 64 a tile of 64 keys x 128 dims is 16 KiB in bf16. A prefill's P is the whole
-# prompt bucket (hundreds of tokens, megabytes a tile: past a GPU's shared memory and
-# registers), so ``eagle3jax.attention.attend`` sends such calls to the XLA path.
+# prompt bucket (up to thousands of tokens, megabytes a tile: past a GPU's shared memory and
+# registers), so ``eagle3jax.attention.attend`` sends calls past 64 to the XLA path.
 MAX_TREE_TOKENS = 64
 
 
@@ -106,7 +106,7 @@ def check_tree_tokens(p: int) -> None:
   if p > MAX_TREE_TOKENS:
     raise ValueError(f"q has P={p} tree tokens; the kernel takes at most {MAX_TREE_TOKENS} (it "
                      "holds the tree's keys and mask as single tiles). Use the XLA path "
-                     "(eagle3jax.attention.attend routes longer calls, such as a prefill, "
+                     "(eagle3jax.attention.attend routes longer calls, such as a long prefill, "
                      "there) or a smaller tree")
 
 

@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 import eagle3jax
+from eagle3jax import round_profile, training
+from eagle3jax.tree import TreeShape
 
 CFG = eagle3jax.LlamaConfig.tiny(num_hidden_layers=8)
 CAPTURE = eagle3jax.CaptureSpec.eagle3_default(8)
@@ -47,6 +49,11 @@ def test_every_entry_point_runs_under_a_strict_numpy_config(tmp_path):
     sampled = eagle3jax.generate(target, drafter, PROMPTS, max_new_tokens=6, eos_ids=[],
                                  temperature=0.8, top_p=0.9, top_k=5, **TREE)
     assert [len(t) for t in sampled.tokens] == [6, 6]
+    seen = []  # the caller's callback runs under the caller's settings, not the library's
+    eagle3jax.generate(target, drafter, PROMPTS, max_new_tokens=6, eos_ids=[],
+                       on_tokens=lambda _: seen.append((jax.config.jax_numpy_rank_promotion,
+                                                        jax.config.jax_numpy_dtype_promotion)))
+    assert seen and set(seen) == {("raise", "strict")}
     eagle3jax.train_drafter(
         target, [[1, 2, 3, 4]] * 8, str(tmp_path / "d"),
         eagle3jax.TrainConfig(total_steps=2, warmup_steps=1, batch_size=4, seq_len=16,
@@ -56,6 +63,22 @@ def test_every_entry_point_runs_under_a_strict_numpy_config(tmp_path):
     aux = eagle3jax.forward(target, [[1, 2, 3]], capture=CAPTURE).aux_hidden
     assert eagle3jax.draft_logits(trained, [[2, 3, 4]], aux).shape == (1, 3, 32)
     eagle3jax.save_drafter(trained, str(tmp_path / "again"), target=target)
+    # The documented library functions under the entry points: the TTT loss, the miss
+    # breakdown and the round profile.
+    tokens = np.asarray([[1, 2, 3, 4, 5, 6, 7, 8]] * 2, np.int32)
+    mask = np.zeros_like(tokens, bool)
+    mask[:, 3:] = True
+    ids = np.arange(32) + np.asarray(trained.d2t[...])
+    feats = training.target_features(target, tokens, CAPTURE, ids)
+    with pytest.raises(ValueError, match="ttt_loss was called outside a mesh context"):
+      training.ttt_loss(trained, feats, tokens, mask, steps=3)
+    with jax.set_mesh(target.mesh):
+      loss, _ = training.ttt_loss(trained, feats, tokens, mask, steps=3)
+    assert np.isfinite(float(loss))
+    assert training.miss_breakdown(target, trained, tokens, mask, steps=3).positions > 0
+    profile = round_profile.profile_round(target, trained, [[1, 2, 3]], TreeShape(3, 1, 4),
+                                          max_new_tokens=8, repeats=2)
+    assert profile["round_ms"] > 0
     deepseek = eagle3jax.init_deepseek(eagle3jax.DeepseekConfig.tiny())
     assert [len(t) for t in eagle3jax.generate(deepseek, None, PROMPTS, max_new_tokens=4,
                                                eos_ids=[]).tokens] == [4, 4]

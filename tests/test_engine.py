@@ -127,16 +127,17 @@ def test_lengths_in_one_output_bucket_share_the_compiled_programs(pair, baseline
   assert engine.trace_count() == before
 
 
-def test_output_buckets_grow_by_half_octaves():
-  """Multiples of 64 up to 256, then two buckets per octave: each holds every length it
-  serves and at most 1.5x of it, and lengths up to 2048 share 10 buckets (32 with multiples of
-  64 throughout, which overflowed the 64 kept programs for a mixed request load)."""
+def test_output_buckets_grow_by_quarter_octaves():
+  """Multiples of 64 up to 512, then four buckets per octave: each holds every length it
+  serves, at most 63 slots or 1.25x more (the XLA attention reads the whole cache, so slack
+  costs decode time), and lengths up to 2048 share 16 buckets (32 with multiples of 64
+  throughout, which overflowed the 64 kept programs for a mixed request load)."""
   bucket = importlib.import_module("eagle3jax.generate").output_bucket
-  assert [bucket(n) for n in (1, 64, 65, 256, 257, 384, 385, 512, 513, 1025, 2048)] == [
-      64, 64, 128, 256, 384, 384, 512, 512, 768, 1536, 2048]
+  assert [bucket(n) for n in (1, 64, 65, 512, 513, 640, 641, 1025, 2048, 2049)] == [
+      64, 64, 128, 512, 640, 640, 768, 1280, 2048, 2560]
   sizes = [bucket(n) for n in range(1, 2049)]
-  assert len(set(sizes)) == 10
-  assert all(n <= b <= max(n + 63, 1.5 * n) for n, b in zip(range(1, 2049), sizes))
+  assert len(set(sizes)) == 16
+  assert all(n <= b <= max(n + 63, 1.25 * n) for n, b in zip(range(1, 2049), sizes))
 
 
 def test_greedy_top_k_and_the_number_of_eos_ids_compile_nothing_new(pair, baseline):
@@ -163,6 +164,8 @@ def test_decoding_under_jax_enable_x64(pair, baseline):
   carry's types, so greedy speculative decoding (chain and tree) still equals the target's own
   and sampling runs."""
   tgt, dr = pair
+  # Programs are kept per 64-bit setting, so these are traced with 64-bit types on even after
+  # the 32-bit ones of the same shapes.
   with jax.enable_x64(True):
     for topk, tokens in ((1, 4), (2, 6)):
       out = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=MAX_NEW, num_steps=3,
@@ -297,7 +300,7 @@ def test_chain_fast_path_builds_the_general_trees_chain():
                            capture=h.CAPTURE)
   tokens = jnp.asarray([h.PROMPTS[0]], jnp.int32)
   dyn = engine.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
-                       eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+                       eos=jnp.asarray(engine.eos_array()), max_new=jnp.int32(8))
   with jax.set_mesh(tgt.mesh):
     st = engine._prefill(tgt, dr, tokens, jnp.asarray([tokens.shape[1]], jnp.int32),
                          jnp.zeros((1, 2), jnp.uint32), dyn, spec, 64, 16)
@@ -345,7 +348,7 @@ def test_chain_commit_moves_no_cache_slots():
   dr = h.copy_drafter(tgt)
   tokens = jnp.asarray([h.PROMPTS[0]], jnp.int32)
   dyn = engine.Dynamic(temperature=jnp.float32(0), top_p=jnp.float32(1),
-                       eos=jnp.asarray([-1], jnp.int32), max_new=jnp.int32(8))
+                       eos=jnp.asarray(engine.eos_array()), max_new=jnp.int32(8))
   specs = {tree.topk: engine.EngineSpec(tree=tree, sampling=SamplingParams(greedy=True),
                                         capture=h.CAPTURE)
            for tree in (TreeShape(4, 1, 5), TreeShape(4, 2, 6))}

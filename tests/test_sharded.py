@@ -177,3 +177,25 @@ def test_a_mesh_that_leaves_weights_whole_says_so():
     warnings.simplefilter("error")
     for shape in ((1, 8), (2, 4), (8, 1)):
       eagle3jax.init_target(cfg, mesh=eagle3jax.make_mesh(*shape))
+    # FP8 block scales hold block counts (256 / 128 = 2 rows of blocks), not model dimensions:
+    # their layout on tensor=4 is no replicated weight (the weights themselves are split).
+    from eagle3jax.quant_config import QuantizationConfig
+    fp8 = QuantizationConfig.from_hf({"quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128]}})
+    wide = eagle3jax.DeepseekConfig.tiny(vocab_size=128, hidden_size=256, intermediate_size=256,
+                                         moe_intermediate_size=256)
+    eagle3jax.init_deepseek(wide, mesh=eagle3jax.make_mesh(1, 4), quantization=fp8)
+
+
+def test_a_parameter_without_logical_axes_is_named():
+  """The mesh check reads every parameter's axes first; a parameter without them is still
+  named, not met as a KeyError."""
+  from flax import nnx
+  from eagle3jax.params import materialize, random_fill
+
+  class Bare(nnx.Module):
+    def __init__(self):
+      self.w = nnx.Param(jnp.zeros((4, 4)))
+  with pytest.raises(ValueError, match="parameter w has no logical axes"):
+    materialize(Bare, eagle3jax.make_mesh(1, 1), random_fill())

@@ -105,7 +105,7 @@ def test_decode_loop_touches_the_stacked_cache_once_not_twice():
   spec = eng.EngineSpec(tree=None, sampling=SamplingParams(greedy=True, top_k=0), capture=None)
   with jax.set_mesh(tgt.mesh):
     graphdef, params, st, dyn, _, _ = start(tgt, None, [[1, 2, 3]], spec, max_new_tokens=1000,
-                                            eos=np.full((1,), -1, np.int32))
+                                            eos=eng.eos_array())
     compiled = eng._decode_jit.lower(graphdef, params, st, dyn, jnp.int32(3),
                                      spec=spec).compile()
   accessed = compiled.cost_analysis()["bytes accessed"]

@@ -31,6 +31,7 @@ from eagle3jax import vocab_parallel as vp
 from eagle3jax.api import check_tokens
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.generate import generate
+from eagle3jax.semantics import standard_numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +129,7 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
   return TrainingData(tokens, mask, lengths)
 
 
+@standard_numpy
 def regenerate(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                temperature: float = 0.0, seed: int = 0, batch_size: int = 64,
                eos_ids: Sequence[int] | None = None) -> list[list[int]]:
@@ -144,6 +146,7 @@ def regenerate(target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
   return out
 
 
+@standard_numpy
 def build_training_data(target, prompts: Sequence[Sequence[int]], *, seq_len: int,
                         max_new_tokens: int, temperature: float = 0.0, seed: int = 0,
                         batch_size: int = 64) -> TrainingData:
@@ -186,6 +189,7 @@ def _features(graphdef, state, tokens, draft_ids, capture):
   return features_and_logits(nnx.merge(graphdef, state), tokens, draft_ids, capture)[0]
 
 
+@standard_numpy
 def target_features(target, tokens, capture: CaptureSpec, draft_ids) -> TargetFeatures:
   """The target's features of padded sequences ``tokens [B, T]`` for the draft vocabulary
   with target ids ``draft_ids [N]``.

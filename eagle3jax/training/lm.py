@@ -20,6 +20,7 @@ from flax import nnx
 
 from eagle3jax import checks
 from eagle3jax.sharding import BATCH, SEQ, shard
+from eagle3jax.semantics import standard_numpy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,7 @@ def _step(graphdef, params, opt_state, rest, batch, tx):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
+@standard_numpy
 def train_lm(model, tokens: np.ndarray, cfg: LMTrainConfig,
              log: Callable[[int, float, float], None] | None = None) -> list[float]:
   """Trains ``model`` in place on the token stream; returns the loss per step."""

@@ -34,6 +34,7 @@ from eagle3jax.api import check_tokens
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.training.data import features_and_logits
 from eagle3jax.training.ttt import ttt_loss
+from eagle3jax.semantics import standard_numpy
 
 GAP_EDGES = (0.1, 0.3, 0.6, 1.0, 2.0)
 POSITION_EDGES = (16, 32, 64)
@@ -113,6 +114,7 @@ def _batch(tgraph, tstate, dgraph, dstate, tokens, loss_mask, draft_ids, capture
           jnp.pad(gap[:, :t - 1], ((0, 0), (1, 0))))
 
 
+@standard_numpy
 def miss_breakdown(target, drafter, tokens, loss_mask, *, steps: int = 7,
                    gap_edges: Sequence[float] = GAP_EDGES,
                    position_edges: Sequence[float] = POSITION_EDGES,

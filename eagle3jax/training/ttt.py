@@ -43,6 +43,7 @@ from eagle3jax import attention as attn_lib
 from eagle3jax.layers import einsum
 from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec, shard
 from eagle3jax.training.data import TargetFeatures
+from eagle3jax.semantics import standard_numpy
 
 
 def ttt_attention_mask(seq_len: int, step: int, start: int = 0) -> np.ndarray:
@@ -78,6 +79,7 @@ def loss_start(loss_mask: np.ndarray, steps: int) -> int:
   return max(0, first - steps - 1)
 
 
+@standard_numpy
 def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
   """The drafter layer over keys of earlier TTT steps (same maths as ``Eagle3Drafter``).
 
@@ -118,6 +120,7 @@ def _window(x: jax.Array, n: int, start: int) -> jax.Array:
 
 
 @jax.custom_vjp
+@standard_numpy
 def soft_cross_entropy(logits: jax.Array, probs: jax.Array) -> jax.Array:
   """``-sum(probs * log_softmax(logits))`` over the last axis, ``[..., N] -> [...]``, for
   ``probs`` rows that sum to 1 (or whose result the caller masks out).
@@ -172,6 +175,7 @@ def _head_bwd(res, g):
 draft_head.defvjp(_head_fwd, _head_bwd)
 
 
+@standard_numpy
 def label_distribution(draft_logits: jax.Array, temperature: float = 1.0) -> jax.Array:
   """The TTT loss's labels from the target's draft-vocabulary logits ``[..., N]``.
 
@@ -202,6 +206,7 @@ def _check_align(align_topk) -> None:
                      "target's token in its top k)")
 
 
+@standard_numpy
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
              decay: float = 0.8, start: int = 0, label_temperature: float = 1.0,
              align_topk: int = 0, with_hits: bool = False):
@@ -236,6 +241,9 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   """
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
+  if jax.sharding.get_abstract_mesh().empty:
+    raise ValueError("ttt_loss was called outside a mesh context: call it under "
+                     "jax.set_mesh(drafter.mesh), in or out of jax.jit, as the Trainer does")
   _check_align(align_topk)
   b, t = tokens.shape
   if not 0 <= start < t:
@@ -311,6 +319,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   return total, metrics
 
 
+@standard_numpy
 def reference_ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
                        decay: float = 0.8, label_temperature: float = 1.0,
                        align_topk: int = 0):
