@@ -52,7 +52,8 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
   Returns ``(best [B], accepted [B], bonus [B])``.
   """
   b, p, v = probs.shape
-  uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_depth, p)))(keys)   # [B, D, P]
+  # float32 whatever jax_enable_x64 says: a seed draws the same tokens either way.
+  uniforms = jax.vmap(lambda k: jax.random.uniform(k, (max_depth, p), jnp.float32))(keys)
   dist = vp.rows(probs[:, 0])                                                 # [B, V]
   gumbel = vp.gumbel_rows(jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys), dist)
   vocab = jnp.arange(v, dtype=jnp.int32)[None, :]

@@ -34,10 +34,16 @@ def standard_numpy(fn):
 
 
 def as_caller(fn, *args, **kwargs):
-  """Calls the caller's ``fn`` with the settings the library's outermost entry point found."""
+  """Calls the caller's ``fn`` with the settings the library's outermost entry point found.
+  While it runs the stack is set aside, so an entry point ``fn`` calls records ``fn``'s own
+  settings (and a callback of that one gets them)."""
   stack = getattr(_CALLERS, "settings", None)
   if not stack:
     return fn(*args, **kwargs)
   rank, dtype = stack[0]
-  with jax.numpy_rank_promotion(rank), jax.numpy_dtype_promotion(dtype):
-    return fn(*args, **kwargs)
+  _CALLERS.settings = []
+  try:
+    with jax.numpy_rank_promotion(rank), jax.numpy_dtype_promotion(dtype):
+      return fn(*args, **kwargs)
+  finally:
+    _CALLERS.settings = stack

@@ -176,6 +176,8 @@ def gumbel_rows(keys: jax.Array, like: jax.Array) -> jax.Array:
   the layout)."""
   v = like.shape[-1]
   if _mesh() is None:
-    return jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys)
-  noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), out_sharding=P(vocab_axis(like))))(keys)
+    return jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(keys)
+  # float32 whatever jax_enable_x64 says: a seed draws the same tokens either way.
+  noise = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32,
+                                               out_sharding=P(vocab_axis(like))))(keys)
   return jax.reshard(noise, P(*_spec(like)))

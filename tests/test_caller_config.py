@@ -54,6 +54,15 @@ def test_every_entry_point_runs_under_a_strict_numpy_config(tmp_path):
                        on_tokens=lambda _: seen.append((jax.config.jax_numpy_rank_promotion,
                                                         jax.config.jax_numpy_dtype_promotion)))
     assert seen and set(seen) == {("raise", "strict")}
+    inner = []  # a callback that calls the library again hands its own settings on
+
+    def outer(_):
+      with jax.numpy_rank_promotion("allow"):
+        eagle3jax.generate(target, None, PROMPTS[:1], max_new_tokens=3, eos_ids=[],
+                           on_tokens=lambda _: inner.append(jax.config.jax_numpy_rank_promotion))
+    eagle3jax.generate(target, None, PROMPTS[:1], max_new_tokens=3, eos_ids=[],
+                       on_tokens=outer)
+    assert inner and set(inner) == {"allow"}
     eagle3jax.train_drafter(
         target, [[1, 2, 3, 4]] * 8, str(tmp_path / "d"),
         eagle3jax.TrainConfig(total_steps=2, warmup_steps=1, batch_size=4, seq_len=16,
@@ -75,6 +84,15 @@ def test_every_entry_point_runs_under_a_strict_numpy_config(tmp_path):
     with jax.set_mesh(target.mesh):
       loss, _ = training.ttt_loss(trained, feats, tokens, mask, steps=3)
     assert np.isfinite(float(loss))
+    # Work done later, outside the call that built it: the optimizer's init and update, and
+    # the soft cross-entropy's custom gradient rules (jax.grad calls them directly).
+    tx = training.make_optimizer(eagle3jax.TrainConfig(total_steps=4, warmup_steps=1))
+    params = {"w": jnp.ones((3, 2)), "b": jnp.zeros(2)}
+    updates, _ = tx.update(params, tx.init(params), params)
+    assert np.isfinite(np.asarray(updates["w"])).all()
+    grad = jax.grad(lambda x: training.soft_cross_entropy(x, jnp.full(4, 0.25)).sum())(
+        jnp.ones((2, 4), jnp.bfloat16))
+    assert grad.shape == (2, 4)
     assert training.miss_breakdown(target, trained, tokens, mask, steps=3).positions > 0
     profile = round_profile.profile_round(target, trained, [[1, 2, 3]], TreeShape(3, 1, 4),
                                           max_new_tokens=8, repeats=2)

@@ -172,8 +172,12 @@ def test_decoding_under_jax_enable_x64(pair, baseline):
                                topk=topk, num_draft_tokens=tokens, eos_ids=[])
       assert out.tokens == baseline.tokens, (topk, tokens)
     sampled = eagle3jax.generate(tgt, dr, h.PROMPTS, max_new_tokens=8, temperature=1.0,
-                                 top_p=0.9, eos_ids=[], num_steps=3)
-    assert [len(t) for t in sampled.tokens] == [8] * 3
+                                 top_p=0.9, eos_ids=[], num_steps=3, topk=2,
+                                 num_draft_tokens=5, seed=3)
+  # A seed draws the same tokens either way (the noise is float32, not the default float).
+  assert sampled.tokens == eagle3jax.generate(
+      tgt, dr, h.PROMPTS, max_new_tokens=8, temperature=1.0, top_p=0.9, eos_ids=[],
+      num_steps=3, topk=2, num_draft_tokens=5, seed=3).tokens
 
 
 def test_no_round_reports_no_acceptance(pair):

@@ -197,12 +197,14 @@ def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """``clip_by_global_norm(grad_clip)`` then AdamW (decay on matrices only)."""
-  return optax.chain(
+  """``clip_by_global_norm(grad_clip)`` then AdamW (decay on matrices only). Its ``init`` and
+  ``update`` run with JAX's default numpy semantics, as the library's functions do."""
+  tx = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(learning_rate_schedule(cfg), b1=cfg.b1, b2=cfg.b2,
                   weight_decay=cfg.weight_decay,
                   mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+  return optax.GradientTransformation(standard_numpy(tx.init), standard_numpy(tx.update))
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start", "reference"),
