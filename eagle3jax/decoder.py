@@ -21,7 +21,8 @@ from eagle3jax import kv_cache as kv_lib
 from eagle3jax import stack as stack_lib
 from eagle3jax.capture import EMBEDDING, CaptureSpec, as_capture_spec
 from eagle3jax.layers import einsum, rms_norm
-from eagle3jax.sharding import BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, shard
+from eagle3jax.sharding import (BATCH, EMBED, SEQ, VOCAB, gather_rows, out_spec, require_mesh,
+                                shard)
 from eagle3jax.semantics import standard_numpy
 
 ACT = (BATCH, SEQ, EMBED)
@@ -117,10 +118,7 @@ class DecoderLM(nnx.Module):
       ``(logits [B, T or M, V] float32, aux [B, T, k*D] or None, cache)``; the returned cache
       holds the new entries at ``lengths[b] ..`` with ``lengths`` unchanged.
     """
-    if jax.sharding.get_abstract_mesh().empty:
-      raise ValueError(
-          "the model was called outside a mesh context: call it under "
-          "jax.set_mesh(model.mesh), or use eagle3jax.forward(model, tokens, capture=...)")
+    require_mesh("the model", "model", "or use eagle3jax.forward(model, tokens, capture=...)")
     capture = as_capture_spec(capture)
     b, t = tokens.shape
     tokens = shard(tokens.astype(jnp.int32), (BATCH, SEQ))

@@ -30,7 +30,7 @@ from eagle3jax.layers import RMSNorm, einsum, merge_heads, param
 from eagle3jax.llama import ACT, LlamaMLP, kv_head_replication
 from eagle3jax.rope import LLAMA_ROPE_TYPES, RopeConfig, apply_rope
 from eagle3jax.sharding import (BATCH, CAPTURE, EMBED, HEAD_DIM, HEADS, KV_HEADS, SEQ, VOCAB,
-                                out_spec, shard)
+                                out_spec, require_mesh, shard)
 from eagle3jax.semantics import standard_numpy
 
 
@@ -232,10 +232,7 @@ class Eagle3Drafter(nnx.Module):
     Returns:
       ``(a [B, T, D] pre-norm outputs, cache)``.
     """
-    if jax.sharding.get_abstract_mesh().empty:
-      raise ValueError(
-          "the drafter was called outside a mesh context: call it under "
-          "jax.set_mesh(drafter.mesh), or use eagle3jax.draft_logits(drafter, ...)")
+    require_mesh("the drafter", "drafter", "or use eagle3jax.draft_logits(drafter, ...)")
     b, t = tokens.shape
     if tree_mask is None:
       tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))

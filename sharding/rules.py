@@ -119,6 +119,14 @@ def current_mesh():
   return None if mesh.empty else mesh
 
 
+def require_mesh(who: str, owner: str, hint: str) -> None:
+  """Raises ``ValueError`` when ``who`` (a model or function whose arrays carry Explicit
+  shardings of ``owner``'s mesh) runs outside a mesh context; ``hint`` says what else to do."""
+  if current_mesh() is None:
+    raise ValueError(f"{who} was called outside a mesh context: call it under "
+                     f"jax.set_mesh({owner}.mesh) (in or out of jax.jit), {hint}")
+
+
 def devices_along(mesh, entries) -> int:
   """How many devices the partition-spec ``entries`` (each None, a mesh axis name or a tuple of
   names) split an array over on ``mesh``: 1 when they leave it whole."""

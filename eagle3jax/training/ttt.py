@@ -41,7 +41,8 @@ import numpy as np
 
 from eagle3jax import attention as attn_lib
 from eagle3jax.layers import einsum
-from eagle3jax.sharding import BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec, shard
+from eagle3jax.sharding import (BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec,
+                                require_mesh, shard)
 from eagle3jax.training.data import TargetFeatures
 from eagle3jax.semantics import standard_numpy
 
@@ -120,7 +121,6 @@ def _window(x: jax.Array, n: int, start: int) -> jax.Array:
 
 
 @jax.custom_vjp
-@standard_numpy
 def soft_cross_entropy(logits: jax.Array, probs: jax.Array) -> jax.Array:
   """``-sum(probs * log_softmax(logits))`` over the last axis, ``[..., N] -> [...]``, for
   ``probs`` rows that sum to 1 (or whose result the caller masks out).
@@ -133,7 +133,7 @@ def soft_cross_entropy(logits: jax.Array, probs: jax.Array) -> jax.Array:
   return _soft_ce_fwd(logits, probs)[0]
 
 
-@standard_numpy  # custom_vjp calls the rules directly, outside the primal's wrapper
+@standard_numpy  # custom_vjp calls the rules directly: the primal runs through this one
 def _soft_ce_fwd(logits, probs):
   lse = jax.nn.logsumexp(logits, axis=-1)
   return lse - jnp.sum(probs * logits, axis=-1), (logits, probs, lse)
@@ -245,9 +245,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
   """
   if steps < 1:
     raise ValueError(f"ttt steps={steps} must be >= 1")
-  if jax.sharding.get_abstract_mesh().empty:
-    raise ValueError("ttt_loss was called outside a mesh context: call it under "
-                     "jax.set_mesh(drafter.mesh), in or out of jax.jit, as the Trainer does")
+  require_mesh("ttt_loss", "drafter", "as the Trainer does")
   _check_align(align_topk)
   b, t = tokens.shape
   if not 0 <= start < t:
