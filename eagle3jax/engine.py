@@ -363,11 +363,17 @@ def _ar_round(target, st: DecodeState, dyn: Dynamic, spec: EngineSpec):
 
 def _prefill(target, drafter, tokens, lengths, keys, dyn: Dynamic, spec: EngineSpec,
              max_len: int, out_size: int) -> DecodeState:
+  """The state after the prompts ``tokens [B, T]`` (row b's first ``lengths[b]`` tokens) and
+  their first new token. A row of ``lengths`` 0 only pads the batch to its bucket
+  (``generate.batch_bucket``): it is done from the start, so it emits nothing after that first
+  token, counts no round and never keeps the loop running."""
   b, t = tokens.shape
+  live = lengths > 0  # a row of length 0 pads the batch to its bucket: done before it starts
+  last = jnp.maximum(lengths, 1) - 1
   tcache = target.allocate_cache(b, max_len)
   causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   logits, aux, tcache = target(tokens, None, tcache, causal, spec.capture,
-                               logits_index=(lengths - 1)[:, None],
+                               logits_index=last[:, None],
                                attention_impl=spec.attention_impl)
   keys, first_keys = _split_keys(keys)
   first = _pick(spec, logits[:, 0], dyn, first_keys)
@@ -380,7 +386,7 @@ def _prefill(target, drafter, tokens, lengths, keys, dyn: Dynamic, spec: EngineS
     d_tok = jnp.where(s == (lengths - 1)[:, None], first[:, None], shifted)
     a, dcache = drafter(d_tok, drafter.project(aux), jnp.broadcast_to(s, (b, t)), dcache,
                         causal)
-    d_hidden = pick_rows(a, lengths - 1)
+    d_hidden = pick_rows(a, last)
     d_hidden = shard(d_hidden, (BATCH, EMBED))
     dcache = dcache.with_lengths(lengths)
   w = spec.commit_width
@@ -391,7 +397,7 @@ def _prefill(target, drafter, tokens, lengths, keys, dyn: Dynamic, spec: EngineS
       out=zeros(b, out_size), out_len=zeros(b), done=zeros(b, dtype=bool),
       keys=shard(keys, (BATCH, None)), rounds=zeros(b), accepted=zeros(b), hist=zeros(b, w))
   out, out_len, finished = _emit(st, first[:, None], zeros(b) + 1, dyn)
-  return dataclasses.replace(st, out=out, out_len=out_len, done=finished)
+  return dataclasses.replace(st, out=out, out_len=out_len, done=finished | ~live)
 
 
 # --- jitted entry points (models are split outside jit and merged inside) ---

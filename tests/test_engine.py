@@ -5,6 +5,7 @@ import gc
 import importlib
 
 import jax
+import numpy as np
 import pytest
 
 import eagle3jax
@@ -140,6 +141,36 @@ def test_output_buckets_grow_by_quarter_octaves():
   assert all(n <= b <= max(n + 63, 1.25 * n) for n, b in zip(range(1, 2049), sizes))
 
 
+def test_batch_sizes_of_one_bucket_share_the_programs(pair, baseline):
+  """Batches run as 1, 2, 4 or 8 rows, then a multiple of 8 (and of the mesh's data axis),
+  padded with rows of length 0 that are done before the first round: 3 and 4 prompts run the
+  same programs, the padding adds no tokens, rounds or acceptance, and a sampled row draws the
+  same tokens whatever the batch around it."""
+  bucket = importlib.import_module("eagle3jax.generate").batch_bucket
+  assert [bucket(n) for n in (1, 2, 3, 4, 5, 8, 9, 16, 17)] == [1, 2, 4, 4, 8, 8, 16, 16, 24]
+  assert [bucket(1, 2), bucket(3, 2), bucket(1, 3), bucket(5, 3)] == [2, 4, 3, 9]
+  tgt, dr = pair
+  kw = dict(max_new_tokens=MAX_NEW, num_steps=3, topk=1, eos_ids=[])
+  four = eagle3jax.generate(tgt, dr, h.PROMPTS + [[7, 7, 7]], **kw)
+  before = engine.trace_count()
+  three = eagle3jax.generate(tgt, dr, h.PROMPTS, **kw)
+  assert engine.trace_count() == before and three.stats["compile_s"] == 0.0
+  assert three.tokens == baseline.tokens == four.tokens[:3]
+  assert three.stats["new_tokens"] == 3 * MAX_NEW
+  ones = [eagle3jax.generate(tgt, dr, [p], **kw).stats for p in h.PROMPTS]
+  assert three.stats["rounds"] == sum(s["rounds"] for s in ones)
+  assert three.stats["accepted"] == sum(s["accepted"] for s in ones)
+  hist = sum(np.asarray(s["acceptance_per_position"]) * s["rounds"] for s in ones)
+  np.testing.assert_allclose(np.asarray(three.stats["acceptance_per_position"]) *
+                             three.stats["rounds"], hist, rtol=1e-9)
+  sample = dict(kw, max_new_tokens=8, temperature=1.0, seed=5, topk=2, num_draft_tokens=5)
+  s3 = eagle3jax.generate(tgt, dr, h.PROMPTS, **sample)
+  s4 = eagle3jax.generate(tgt, dr, h.PROMPTS + [[7, 7, 7]], **sample)
+  assert s3.tokens == s4.tokens[:3]
+  s5 = eagle3jax.generate(tgt, dr, h.PROMPTS + [[7, 7, 7], [8, 8]], **sample)  # 8 rows
+  assert s5.tokens[:4] == s4.tokens
+
+
 def test_greedy_top_k_and_the_number_of_eos_ids_compile_nothing_new(pair, baseline):
   """Greedy decoding never reads top_k, and the EOS ids are a padded runtime array: neither
   a top_k nor one, two or three EOS ids (Llama 3 has three) make new programs."""
@@ -231,13 +262,13 @@ def test_compiled_programs_are_bounded_and_evicted_ones_freed(monkeypatch):
     eagle3jax.set_max_compiled(0)
   eagle3jax.set_max_compiled(2)  # evicts batch 1's programs now
   assert len(generate_mod._COMPILED) == 2
-  for batch in range(3, 6):
+  for batch in (4, 8, 16):  # three more batch buckets (generate.batch_bucket)
     assert run(batch).stats["compile_s"] > 0
   assert len(generate_mod._COMPILED) == 2
-  # Only batch 5's programs are held now (batch 1's and 2's were evicted too); holding all
+  # Only batch 16's programs are held now (batch 1's and 2's were evicted too); holding all
   # five shapes' programs would have grown the maps by about 4 * per_shape.
   assert maps() - start < 2 * per_shape, (maps() - start, per_shape)
-  assert run(5).stats["compile_s"] == 0.0 and run(1).stats["compile_s"] > 0  # evicted
+  assert run(16).stats["compile_s"] == 0.0 and run(1).stats["compile_s"] > 0  # evicted
   eagle3jax.clear_compiled()
   assert not generate_mod._COMPILED and run(1).stats["compile_s"] > 0
 
