@@ -29,14 +29,15 @@ __all__ = [
 
 # --- Drafter and engine ---
 from eagle3jax.drafter import DrafterConfig, Eagle3Drafter
-from eagle3jax.drafter_io import draft_logits, init_drafter, load_drafter, save_drafter
+from eagle3jax.drafter_io import (PortabilityWarning, draft_logits, init_drafter, load_drafter,
+                                  save_drafter)
 from eagle3jax.generate import GenerateResult, clear_compiled, generate, set_max_compiled
 from eagle3jax.capture_contract import CaptureRecord, CaptureWarning
 from eagle3jax.monitor import AcceptanceWarning
 
 __all__ += ["DrafterConfig", "Eagle3Drafter", "draft_logits", "init_drafter", "load_drafter",
             "save_drafter", "GenerateResult", "generate", "clear_compiled", "set_max_compiled",
-            "CaptureRecord", "CaptureWarning", "AcceptanceWarning"]
+            "CaptureRecord", "CaptureWarning", "AcceptanceWarning", "PortabilityWarning"]
 
 
 # --- Drafter training ---

@@ -16,6 +16,7 @@ import functools
 import json
 import logging
 import os
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from jax.sharding import Mesh
 
 from eagle3jax import capture_contract as contract
 from eagle3jax import checks, model_kinds, vocab_parallel
-from eagle3jax.capture import CaptureSpec
+from eagle3jax.capture import EMBEDDING, CaptureSpec
 from eagle3jax.capture_contract import IDS_KEY, check_pair, resolve_capture  # noqa: F401
 from eagle3jax.config import DRAFTER_CONFIG_FIELDS
 from eagle3jax.distributed import barrier, is_main_process, to_host
@@ -484,8 +485,12 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     path: output directory.
     include_embedding: write the (target's) token embedding as ``embed_tokens.weight``. The
       official EAGLE-3 loader silently keeps a random embedding when the file has none and
-      the config names ``target_hidden_size``; ``False`` leaves it out for engines that share
-      the target's.
+      the config names ``target_hidden_size`` (written only for features of another width
+      than the drafter's); ``False`` leaves it out for engines that share the target's.
+
+  A drafter that the official EAGLE-3 code or SGLang would refuse or misread (another number
+  of captures, heads that do not split ``hidden_size``, a capture those engines read otherwise;
+  ``portability_problems``) is written all the same, with a ``PortabilityWarning``.
     target: the target it drafts for; with it a fresh capture record is taken
       (``eagle3jax.capture_contract``), after the drafter's loaded record, if any, is checked
       against it (a record is never replaced by one that vouches for another target or
@@ -509,6 +514,7 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     contract.check_acceptance(k, v)
   check_drafter_folder(path, "save_drafter's path")
   cfg = drafter.config
+  warn_portability(cfg, target.num_layers if target is not None else None, "this drafter")
   record = getattr(drafter, "capture_record", None)
   if target is None and record is not None and record.capture != cfg.capture.layer_ids:
     raise ValueError(
@@ -612,23 +618,83 @@ def check_drafter_folder(path: str, what: str) -> None:
 
 def _hf_config(drafter: Eagle3Drafter, dtype) -> dict:
   """The public ``config.json`` of a drafter stored in ``dtype`` (capture ids in the project
-  convention)."""
+  convention).
+
+  ``target_hidden_size`` is written only when the features are not the drafter's own width:
+  the official EAGLE-3 loader copies the target's embedding into a drafter file without one
+  only when that field is absent (with it, it keeps a random one, silently). ``rope_scaling``
+  names its type under both keys: transformers reads ``rope_type``, the official code
+  ``type``."""
   cfg = drafter.config
   d, n, h, k = (cfg.hidden_size, cfg.num_attention_heads, cfg.resolved_head_dim,
                 cfg.num_key_value_heads)
-  return {
+  scaling = cfg.rope.to_hf()
+  out = {
       "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
       "hidden_act": "silu", "hidden_size": d, "intermediate_size": cfg.intermediate_size,
       "num_attention_heads": n, "num_key_value_heads": k, "head_dim": h,
       "num_hidden_layers": 1, "rms_norm_eps": cfg.rms_norm_eps,
       "max_position_embeddings": cfg.max_position_embeddings, "vocab_size": cfg.vocab_size,
-      "draft_vocab_size": cfg.draft_vocab_size, "target_hidden_size": cfg.feature_size,
+      "draft_vocab_size": cfg.draft_vocab_size,
       "tie_word_embeddings": False, "torch_dtype": str(np.dtype(dtype)),
       "rope_theta": cfg.rope.theta,
-      "rope_scaling": cfg.rope.to_hf(),
+      "rope_scaling": None if scaling is None else {"type": scaling["rope_type"], **scaling},
       "eagle_config": {IDS_KEY: cfg.capture.as_list(), "use_aux_hidden_state": True,
                        "aux_layer_convention": "output"},
   }
+  if cfg.feature_size != d:
+    out["target_hidden_size"] = cfg.feature_size
+  return out
+
+
+class PortabilityWarning(UserWarning):
+  """A drafter that this project serves as trained, but the official EAGLE-3 code or SGLang
+  would refuse or misread (``portability_problems``)."""
+
+
+OFFICIAL_ROPE_TYPES = ("default", "linear", "dynamic")  # the official EAGLE-3 code's
+
+
+def portability_problems(cfg: DrafterConfig, num_target_layers: int | None = None
+                         ) -> list[str]:
+  """What keeps the official EAGLE-3 code or SGLang from serving a drafter of ``cfg`` as it
+  was trained (``[]``: both serve it as this project does). ``num_target_layers``: the
+  target's layer count, to compare the capture with the layers the official code reads."""
+  out = []
+  ids = cfg.capture.as_list()
+  if len(ids) != 3:
+    out.append(f"it reads {len(ids)} captured layers, but the official EAGLE-3 code and SGLang "
+               "build fc for exactly 3 (its fc.weight would not load)")
+  n, h = cfg.num_attention_heads, cfg.resolved_head_dim
+  if n * h != cfg.hidden_size:
+    out.append(f"num_attention_heads={n} x head_dim={h} is not hidden_size={cfg.hidden_size}, "
+               f"but the official EAGLE-3 code derives head_dim = hidden_size // "
+               f"num_attention_heads = {cfg.hidden_size // n} (its q/k/v would not load)")
+  if EMBEDDING in ids:
+    out.append("it captures the embedding output (id -1), for which SGLang's capture list has "
+               "no id")
+  elif ids and ids[0] != 1:
+    out.append(f"its capture {ids} does not start at layer 1: SGLang reads such ids as the "
+               f"inputs of those layers since its PR #25454 (2026; outputs before it), one "
+               f"layer off ({[i - 1 for i in ids]} here)")
+  if num_target_layers is not None and num_target_layers >= 7:
+    official = list(CaptureSpec.eagle3_default(num_target_layers).layer_ids)
+    if ids != official:
+      out.append(f"the official EAGLE-3 code ignores the configured capture and always reads "
+                 f"layers {official} of a {num_target_layers}-layer target, not {ids}")
+  if cfg.rope.rope_type not in OFFICIAL_ROPE_TYPES:
+    out.append(f"its rope_scaling type {cfg.rope.rope_type!r} is not one the official EAGLE-3 "
+               f"code builds ({', '.join(OFFICIAL_ROPE_TYPES[1:])})")
+  return out
+
+
+def warn_portability(cfg: DrafterConfig, num_target_layers: int | None, what: str) -> None:
+  """A ``PortabilityWarning`` naming ``portability_problems`` of ``what``, if any."""
+  problems = portability_problems(cfg, num_target_layers)
+  if problems:
+    warnings.warn(f"{what} serves here as trained, but not in the official EAGLE-3 code or "
+                  f"SGLang: {'; '.join(problems)}", PortabilityWarning,
+                  stacklevel=checks.outside_stacklevel())
 
 
 def _write(path: str, tensors: dict, hf: dict, record, acceptance: dict | None, *,

@@ -2,12 +2,14 @@
 
 import json
 import logging
+import warnings
 
 import numpy as np
 import pytest
 import safetensors.numpy
 
 import eagle3jax
+import eagle3jax.training
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.safetensors_io import SafetensorsFile
 from tests import engine_helpers as h
@@ -53,6 +55,9 @@ def test_round_trip_public_layout_without_embedding(tmp_path, tgt):
   assert st.shape("fc.weight") == (64, 3 * 64)
   assert st.shape("lm_head.weight") == (50, 64)
   saved = json.loads((tmp_path / "config.json").read_text())
+  # Features of the drafter's own width: no target_hidden_size, with which the official
+  # loader keeps a random embedding instead of the target's (this file has none).
+  assert "target_hidden_size" not in saved and saved["hidden_size"] == 64
   assert saved["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [-1, 3, 6],
                                    "use_aux_hidden_state": True,
                                    "aux_layer_convention": "output"}
@@ -151,6 +156,50 @@ def test_serving_with_other_captures_is_refused(tgt):
   ok = eagle3jax.generate(tgt, dr, [[1, 2, 3]], max_new_tokens=4, capture=[1, 3, 6],
                           num_steps=3)
   assert len(ok.tokens[0]) == 4
+
+
+def test_drafters_other_engines_would_misread_are_written_with_a_warning(tmp_path, tgt):
+  """The official EAGLE-3 code builds fc for 3 captures, derives head_dim from hidden_size
+  and always reads its own default layers; SGLang reads ids not starting at 1 as inputs of
+  those layers. Such a drafter serves here as trained; its export says where it would not."""
+  def problems(capture, **kw):
+    cfg = eagle3jax.DrafterConfig.for_target(tgt.config, CaptureSpec(capture), **kw)
+    dr = eagle3jax.init_drafter(cfg, target=tgt, seed=2)
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      eagle3jax.save_drafter(dr, str(tmp_path / "d"), target=tgt)
+    found = [str(w.message) for w in seen if w.category is eagle3jax.PortabilityWarning]
+    assert all(w.filename == __file__ for w in seen
+               if w.category is eagle3jax.PortabilityWarning)  # names the caller's line
+    return found[0] if found else ""
+  assert problems((1, 3, 4)) == ""  # eagle3_default(8): every engine reads it alike
+  msg = problems((2, 3, 4))
+  assert "SGLang reads such ids as the inputs of those layers" in msg and "[1, 2, 3]" in msg
+  assert "always reads layers [1, 3, 4] of a 8-layer target, not [2, 3, 4]" in msg
+  assert "build fc for exactly 3" in problems((1, 4))
+  assert "for which SGLang's capture list has no id" in problems((-1, 3, 4))
+  msg = problems((1, 3, 4), num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+  assert "num_attention_heads=2 x head_dim=16 is not hidden_size=64" in msg
+  # Said before a training starts, not after it (here the folder is refused next).
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  with pytest.warns(eagle3jax.PortabilityWarning, match="build fc for exactly 3"), \
+      pytest.raises(ValueError, match="is a file"):
+    eagle3jax.training.train_drafter(
+        tgt, [[1, 2, 3]] * 2, str(blocker),
+        eagle3jax.training.TrainConfig(total_steps=1, warmup_steps=0, batch_size=2,
+                                       seq_len=8, max_new_tokens=4),
+        capture=[1, 4], progress=False)
+
+
+def test_linear_rope_is_written_under_both_keys(tmp_path, tgt):
+  """transformers reads rope_scaling's rope_type, the official EAGLE-3 code its type."""
+  rope = eagle3jax.RopeConfig(theta=10000.0, rope_type="linear", factor=2.0)
+  cfg = eagle3jax.DrafterConfig.for_target(tgt.config, CaptureSpec((1, 3, 4)), rope=rope)
+  eagle3jax.save_drafter(eagle3jax.init_drafter(cfg, target=tgt, seed=2), str(tmp_path))
+  saved = json.loads((tmp_path / "config.json").read_text())
+  assert saved["rope_scaling"] == {"type": "linear", "rope_type": "linear", "factor": 2.0}
+  assert eagle3jax.load_drafter(str(tmp_path), target=tgt).config.rope == rope
 
 
 def test_missing_d2t_with_reduced_vocab_is_an_error(tmp_path, tgt):

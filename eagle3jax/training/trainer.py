@@ -30,6 +30,7 @@ import math
 import os
 import sys
 import time
+import warnings
 import zlib
 from typing import Sequence
 
@@ -47,8 +48,9 @@ from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.checks import is_integer, is_real
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.drafter import DrafterConfig
-from eagle3jax.drafter_io import (HEAD_INITS, check_drafter_folder, check_init_config,
-                                  init_drafter, save_drafter)
+from eagle3jax.drafter_io import (HEAD_INITS, PortabilityWarning, check_drafter_folder,
+                                  check_init_config, init_drafter, save_drafter,
+                                  warn_portability)
 from eagle3jax.generate import check_prompts
 from eagle3jax.sharding import BATCH, SEQ, activation_spec
 from eagle3jax.tree import checked_shape
@@ -678,8 +680,10 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   if heldout_prompts and shape.topk > draft_vocab_size:
     raise ValueError(f"heldout_shape={tuple(heldout_shape)}: topk={shape.topk} exceeds the "
                      f"draft vocabulary of {draft_vocab_size} tokens")
-  check_init_config(target, DrafterConfig.for_target(  # refuses bad overrides up front
-      target.config, capture, draft_vocab_size=draft_vocab_size, **(drafter_overrides or {})))
+  planned = DrafterConfig.for_target(target.config, capture, draft_vocab_size=draft_vocab_size,
+                                    **(drafter_overrides or {}))
+  check_init_config(target, planned)  # refuses bad overrides up front
+  warn_portability(planned, target.num_layers, "the drafter this trains")  # before, not after
   too_long = next((i for i, p in enumerate(prompts)
                    if len(p) + config.max_new_tokens > limit), None)
   if too_long is not None:  # what generate would refuse in the middle of the regeneration
@@ -762,6 +766,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                                            max_new_tokens=HELDOUT_NEW_TOKENS)
                 if heldout_prompts else {})
   calibration = np.concatenate([t[:n] for t, n in zip(data.tokens, data.lengths)])
-  save_drafter(drafter, out_dir, target=target,
-               calibration_ids=calibration[:contract.CALIBRATION_TOKENS], acceptance=acceptance)
+  with warnings.catch_warnings():  # said before the training
+    warnings.simplefilter("ignore", PortabilityWarning)
+    save_drafter(drafter, out_dir, target=target,
+                 calibration_ids=calibration[:contract.CALIBRATION_TOKENS],
+                 acceptance=acceptance)
   return TrainResult(drafter, trainer.history, vocab, curve)
