@@ -9,9 +9,12 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 
 import numpy as np
+
+from eagle3jax.flags import write_output
 
 SETTINGS = ((3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8), (7, 10, 60))
 
@@ -23,13 +26,17 @@ def spread(values) -> dict:
           "runs": values}
 
 
-def report(result: dict, table: str, json_path: str | None) -> int:
-  """What the benchmark scripts end with: prints ``table`` and, given ``json_path``, writes
-  ``result`` there; returns the exit status 0."""
+def report(result: dict, table: str, json_path: str | None, script: str) -> int:
+  """What the benchmark scripts end with: prints ``table`` and, given ``json_path`` (the
+  ``--json`` flag), writes ``result`` there; returns the exit status (2, with ``script``'s
+  error line, when the file cannot be written)."""
   print(table)
   if json_path:
-    with open(json_path, "w") as f:
-      json.dump(result, f, indent=1)
+    try:
+      write_output(json_path, "--json", lambda f: json.dump(result, f, indent=1))
+    except ValueError as e:
+      print(f"{script}: error: {e}", file=sys.stderr)
+      return 2
   return 0
 
 
@@ -146,10 +153,11 @@ def run_benchmark(target_dir: str, drafter_dir: str, *, num_prompts: int = 8,
   if max(batches) > num_prompts:
     raise ValueError(f"--batches {list(batches)}: a batch of {max(batches)} needs at least "
                      f"that many prompts, but --prompts is {num_prompts}")
+  manifest = demo.read_manifest(os.path.dirname(os.path.abspath(target_dir)), hint=(
+      "--target must be the target/ folder of such a folder, e.g. models/default/target"))
   target = eagle3jax.load_target(target_dir, dtype=jnp.float32,
                                  layer_loop=default_layer_loop())
   drafter = eagle3jax.load_drafter(drafter_dir, target=target)
-  manifest = demo.read_manifest(os.path.dirname(os.path.abspath(target_dir)))
   codec = TextCodec(target_dir)
   prompts = demo.prompts_from(codec.tokenizer, demo.read_split(manifest, "heldout"),
                               num_prompts, prompt_len, seed=1234)

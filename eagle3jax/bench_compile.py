@@ -122,8 +122,9 @@ def _compile_scaling(depths, repeats, mesh, log) -> dict:
 
 
 def markdown(result: dict) -> str:
-  lines = ["| layers | forward compile s (range) | ratio | decode-loop compile s (range) | "
-           "ratio |", "|---|---|---|---|---|"]
+  first = result["depths"][0]
+  lines = [f"| layers | forward compile s (range) | ratio to {first} layers | decode-loop compile "
+           f"s (range) | ratio to {first} layers |", "|---|---|---|---|---|"]
   for r in result["rows"]:
     lines.append(
         f"| {r['layers']} | {r['forward_s']:.2f} ({r['forward_range_s'][0]:.2f}-"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import time
 
@@ -47,8 +48,9 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   batch = batch or cfg_demo.draft_batch
   response_len = response_len or cfg_demo.response_len
   target = eagle3jax.load_target(target_dir, dtype=jnp.float32, layer_loop=default_layer_loop())
-  out_dir = target_dir.rstrip("/").rsplit("/", 1)[0]
-  prompts = demo.heldout_prompts(out_dir, TextCodec(target_dir).tokenizer)
+  out_dir = os.path.dirname(os.path.abspath(target_dir))
+  prompts = demo.heldout_prompts(out_dir, TextCodec(target_dir).tokenizer, hint=(
+      "--target must be the target/ folder of such a folder, e.g. models/default/target"))
   if not 1 <= batch <= len(prompts):
     raise ValueError(f"batch={batch} must be in [1, {len(prompts)}] (the held-out prompts)")
   seq_len = cfg_demo.prompt_len + response_len

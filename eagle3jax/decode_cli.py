@@ -96,7 +96,10 @@ def _run(args) -> int:
   if args.prompt_ids is not None:
     prompt = list(parse_ints(args.prompt_ids, "--prompt-ids"))
     if os.path.exists(os.path.join(args.target, "tokenizer.json")):
-      codec = TextCodec(args.target)
+      try:  # only to show the output as text: the ids need no tokenizer
+        codec = TextCodec(args.target)
+      except ValueError as e:
+        print(f"note: {e}; printing token ids", file=sys.stderr)
   else:
     codec = TextCodec(args.target)
     prompt = codec.encode_prompt(args.prompt if args.prompt is not None else DEFAULT_PROMPT)

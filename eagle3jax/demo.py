@@ -254,14 +254,15 @@ HELDOUT = dict(n=8, length=48, seed=1234)
 HELDOUT_NEW_TOKENS = 128
 
 
-def read_manifest(out_dir: str) -> dict:
+def read_manifest(out_dir: str, hint: str = "pass such a folder, e.g. models/default") -> dict:
   """``out_dir/manifest.json`` of a demo folder (``make_demo`` writes it beside ``target/``),
-  or a ``ValueError`` that says what is expected there."""
+  or a ``ValueError`` that says what is expected there and, in ``hint``, what to pass (a
+  caller given the target folder says so)."""
   path = os.path.join(out_dir, "manifest.json")
   if not os.path.exists(path):
     raise ValueError(f"{out_dir!r} has no manifest.json: held-out and training prompts come "
                      "from a demo folder (manifest.json beside target/ and drafter/, as "
-                     "make_demo.py writes it); pass such a folder, e.g. models/default")
+                     f"make_demo.py writes it); {hint}")
   try:
     with open(path) as f:
       manifest = json.load(f)
@@ -273,9 +274,11 @@ def read_manifest(out_dir: str) -> dict:
 
 
 def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
-                    seed: int = HELDOUT["seed"]) -> list[list[int]]:
-  """``n`` prompts of the held-out files (the default: the 8 the curves and records use)."""
-  return prompts_from(tok, read_split(read_manifest(out_dir), "heldout"), n,
+                    seed: int = HELDOUT["seed"], *,
+                    hint: str = "pass such a folder, e.g. models/default") -> list[list[int]]:
+  """``n`` prompts of the held-out files (the default: the 8 the curves and records use);
+  ``hint`` as in ``read_manifest``."""
+  return prompts_from(tok, read_split(read_manifest(out_dir, hint), "heldout"), n,
                       HELDOUT["length"], seed)
 
 
@@ -484,13 +487,16 @@ def check_drafter_recipe(cfg: DemoConfig) -> None:
   from eagle3jax.capture import CaptureSpec
   from eagle3jax.drafter import DrafterConfig
   drafter_train_config(cfg)
+  if cfg.draft_vocab_size > cfg.vocab_size:  # refused by the training, after the target's
+    raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} exceeds vocab_size="
+                     f"{cfg.vocab_size}: the draft vocabulary is a subset of the target's")
   target_cfg = target_config(cfg, cfg.vocab_size)
   ids = drafter_capture(cfg)
   capture = (CaptureSpec(ids) if ids is not None else
              CaptureSpec.eagle3_default(cfg.num_layers))
   capture.validate(cfg.num_layers)
   DrafterConfig.for_target(target_cfg, capture,
-                           draft_vocab_size=min(cfg.draft_vocab_size, cfg.vocab_size),
+                           draft_vocab_size=cfg.draft_vocab_size,
                            **(drafter_overrides(cfg) or {}))
 
 

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import tempfile
 
 
 def _int_at_least(text: str, low: int) -> int:
@@ -48,7 +49,8 @@ def require_modules(needs: dict[str, str], install: str) -> None:
 
 
 def parse_ints(text: str, flag: str, *, count: int | None = None,
-               form: str = "comma-separated integers") -> tuple[int, ...]:
+               form: str = "comma-separated integers", unique: bool = False
+               ) -> tuple[int, ...]:
   """``"1, 5,8"`` -> ``(1, 5, 8)``; blanks around items and a trailing comma are ignored.
 
   Args:
@@ -56,10 +58,12 @@ def parse_ints(text: str, flag: str, *, count: int | None = None,
     flag: the flag's name as the user typed it (``"--mesh"``), for the error.
     count: if given, exactly this many integers are required.
     form: what the flag expects, in words, for the error (e.g. ``"DATA,TENSOR"``).
+    unique: refuse a value given twice (a list of settings to measure: a repeat would be
+      measured twice and pooled into one row's statistics).
 
   Raises:
     ValueError: ``"{flag} {text!r}: expected {form}"`` when an item is not an integer, the
-      list is empty, or it does not have ``count`` items.
+      list is empty, or it does not have ``count`` items; with ``unique``, a repeated value.
   """
   items = [x.strip() for x in str(text).split(",")]
   if items and not items[-1]:
@@ -70,19 +74,39 @@ def parse_ints(text: str, flag: str, *, count: int | None = None,
     values = ()
   if not values or (count is not None and len(values) != count):
     raise ValueError(f"{flag} {text!r}: expected {form}")
+  if unique and len(set(values)) != len(values):
+    twice = sorted({v for v in values if values.count(v) > 1})
+    raise ValueError(f"{flag} {text!r} names {twice} more than once; give each value once")
   return values
 
 
 def check_writable(path: str, flag: str) -> None:
   """Raises ``ValueError`` naming ``flag`` when ``path`` cannot be written: its folder is
-  missing or not writable, or it is a folder itself."""
+  missing or refuses a new file (tried, since permission bits do not bind root and do not show
+  a read-only mount), or it is a folder itself. Checked before a run, not after it."""
   folder = os.path.dirname(os.path.abspath(path))
   if os.path.isdir(path):
     raise ValueError(f"{flag} {path!r} is a folder; give a file name")
   if not os.path.isdir(folder):
     raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist; create it first")
-  if not os.access(folder, os.W_OK):
-    raise ValueError(f"{flag} {path!r}: folder {folder!r} is not writable")
+  try:
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".eagle3jax-write-check-"):
+      pass
+  except OSError as e:
+    raise ValueError(f"{flag} {path!r}: folder {folder!r} is not writable ({e.strerror})"
+                     ) from None
+  if os.path.exists(path) and not os.access(path, os.W_OK):
+    raise ValueError(f"{flag} {path!r} exists and is not writable")
+
+
+def write_output(path: str, flag: str, write) -> None:
+  """Runs ``write(file)`` on ``path`` opened for writing; an ``OSError`` (the disk filled, the
+  folder went away during the run) becomes a ``ValueError`` naming ``flag``."""
+  try:
+    with open(path, "w", encoding="utf-8") as f:
+      write(f)
+  except OSError as e:
+    raise ValueError(f"{flag} {path!r} could not be written: {e.strerror or e}") from None
 
 
 def need_file(path: str, flag: str) -> None:

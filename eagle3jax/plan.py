@@ -402,7 +402,10 @@ def markdown(result: dict) -> str:
   """A human-readable table of a ``plan`` result."""
   pd = result["per_device"]
   g = lambda b: f"{b / GIB:.2f} GiB"  # noqa: E731
+  tree = result.get("tree")
   rows = [("mesh (data, tensor)", f"{tuple(result['mesh'])}"),
+          ("draft tree (steps, topk, draft tokens)",
+           "none: autoregressive" if tree is None else str(tuple(tree))),
           ("quantization", result["quantization"]),
           ("batch x context", f"{result['batch']} x {result['context']}"),
           ("weights / device", g(pd["weights"])),

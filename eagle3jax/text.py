@@ -27,8 +27,7 @@ class TextCodec:
       self.tokenizer = Tokenizer.from_file(tok_path)
     except Exception as e:  # the tokenizers package raises a bare Exception
       raise ValueError(f"{tok_path} could not be read as a tokenizer ({e}); pass token ids "
-                       "instead of text (--prompt-ids, --prompt-ids-file), or fix the file"
-                       ) from None
+                       "instead of text, or fix the file") from None
     self.chat_template = None
     self.special_tokens = {}
     cfg_path = os.path.join(path, "tokenizer_config.json")

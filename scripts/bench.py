@@ -11,13 +11,16 @@ import sys
 from eagle3jax.bench import SETTINGS, markdown, plot, run_benchmark
 from eagle3jax.demo import DEFAULT_DIR
 from eagle3jax.flags import (check_writable, measured_new_tokens, parse_ints, positive_int,
-                             require_modules)
+                             require_modules, write_output)
 
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--target", default=os.path.join(DEFAULT_DIR, "target"))
-  p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"))
+  p.add_argument("--target", default=os.path.join(DEFAULT_DIR, "target"),
+                 help="the target/ folder of a demo folder (make_demo.py's --out: its "
+                      "manifest.json, beside this folder, names the held-out prompts)")
+  p.add_argument("--drafter", default=os.path.join(DEFAULT_DIR, "drafter"),
+                 help="the drafter folder")
   p.add_argument("--prompts", type=int, default=8, help="held-out prompts")
   p.add_argument("--max-new-tokens", type=measured_new_tokens, default=128)
   p.add_argument("--batches", default="1,4", help="comma-separated batch sizes")
@@ -42,19 +45,18 @@ def main() -> int:
     require_modules(needs, "pip install -e '.[bench]'")
     result = run_benchmark(args.target, args.drafter, num_prompts=args.prompts,
                            max_new_tokens=args.max_new_tokens,
-                           batches=parse_ints(args.batches, "--batches"),
+                           batches=parse_ints(args.batches, "--batches", unique=True),
                            settings=SETTINGS, runs=args.runs,
                            with_transformers=not args.no_transformers,
                            breakdown=not args.no_breakdown,
                            log=lambda m: print(m, flush=True))
+    result["device"] = args.device
+    print(markdown(result))  # first: a failed write below still leaves the table on screen
+    write_output(args.out, "--out", lambda f: json.dump(result, f, indent=1))
+    plot(result, os.path.splitext(args.out)[0] + ".png")
   except (ValueError, OSError) as e:
     print(f"bench.py: error: {e}", file=sys.stderr)
     return 2
-  result["device"] = args.device
-  with open(args.out, "w") as f:
-    json.dump(result, f, indent=1)
-  plot(result, os.path.splitext(args.out)[0] + ".png")
-  print(markdown(result))
   print(f"wrote {args.out} and {os.path.splitext(args.out)[0]}.png")
   return 0
 

@@ -16,14 +16,14 @@ def main() -> int:
   p.add_argument("--json", default=None, help="also write the result here")
   args = p.parse_args()
   try:
-    depths = parse_ints(args.depths, "--depths")
+    depths = parse_ints(args.depths, "--depths", unique=True)
     if args.json:
       check_writable(args.json, "--json")
     result = compile_scaling(depths, args.repeats)
   except (ValueError, OSError) as e:
     print(f"bench_compile.py: error: {e}", file=sys.stderr)
     return 2
-  return report(result, markdown(result), args.json)
+  return report(result, markdown(result), args.json, "bench_compile.py")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import argparse
 import functools
 import json
 import statistics
+import sys
 import time
 
 import jax
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax.attention import attend
-from eagle3jax.flags import check_writable, positive_int
+from eagle3jax.flags import check_writable, positive_int, write_output
 from eagle3jax.kernels import tree_attention, tree_attention_reference
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
@@ -121,13 +122,13 @@ def bench_one(b, p, s, n, k, h, *, dtype, iters, interpret):
 
 
 HEADER = (f"{'B':>2} {'P':>3} {'S':>6} {'kernel_us':>10} {'xla_us':>10} {'dpa_us':>10} "
-          f"{'xla/kern':>8} {'dpa/kern':>8} {'GB/s':>8} {'%peak':>6} {'max_err':>8} {'dpa':>5}")
+          f"{'xla/kern':>8} {'dpa/kern':>8} {'GB/s':>8} {'%4.8TB/s':>8} {'max_err':>8} {'dpa':>5}")
 
 
 def format_row(r) -> str:
   return (f"{r['B']:>2} {r['P']:>3} {r['S']:>6} {r['kernel_us']:>10.1f} {r['xla_us']:>10.1f} "
           f"{r['dpa_us']:>10.1f} {r['xla_over_kernel']:>8.2f} {r['dpa_over_kernel']:>8.2f} "
-          f"{r['kernel_GBps']:>8.1f} {r['pct_of_4.8TBps']:>6.1f} {r['max_abs_err']:>8.2g} {r['dpa_impl']:>5}")
+          f"{r['kernel_GBps']:>8.1f} {r['pct_of_4.8TBps']:>8.1f} {r['max_abs_err']:>8.2g} {r['dpa_impl']:>5}")
 
 
 def main(argv=None):
@@ -155,9 +156,14 @@ def main(argv=None):
     rows.append(row)
     print(format_row(row), flush=True)
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump({"device": jax.devices()[0].device_kind, "rows": rows}, f, indent=1)
+    result = {"device": jax.devices()[0].device_kind, "rows": rows}
+    try:
+      write_output(args.out, "--out", lambda f: json.dump(result, f, indent=1))
+    except ValueError as e:
+      print(f"bench_kernel.py: error: {e}", file=sys.stderr)
+      return 2
+  return 0
 
 
 if __name__ == "__main__":
-  main()
+  sys.exit(main())

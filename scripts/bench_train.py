@@ -15,7 +15,8 @@ from eagle3jax.flags import check_writable, positive_int
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__)
   p.add_argument("--target", default=os.path.join(REPO, "models", "default", "target"),
-                 help="target directory (its folder's manifest.json gives the prompts)")
+                 help="the target/ folder of a demo folder (make_demo.py's --out: its "
+                      "manifest.json, beside this folder, names the held-out prompts)")
   p.add_argument("--runs", type=positive_int, default=3,
                  help="repeated runs (medians and ranges)")
   p.add_argument("--repeats", type=positive_int, default=5,
@@ -29,7 +30,7 @@ def main() -> int:
   except (ValueError, OSError) as e:
     print(f"bench_train.py: error: {e}", file=sys.stderr)
     return 2
-  return report(result, markdown(result), args.json)
+  return report(result, markdown(result), args.json, "bench_train.py")
 
 
 if __name__ == "__main__":

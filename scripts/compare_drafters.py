@@ -13,7 +13,7 @@ import sys
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
 from eagle3jax.flags import (check_writable, measured_new_tokens, nonnegative_int, parse_ints,
-                             positive_int)
+                             positive_int, write_output)
 from eagle3jax.tree import checked_shape
 
 
@@ -92,6 +92,8 @@ def main() -> int:
   keys = [tree_key(*s) for s in shapes]
   print(f"{args.prompts} held-out prompts (seed {args.seed}), {args.max_new_tokens} new "
         "tokens, greedy\n")
+  print("mean acceptance length (accepted drafts + 1 per round) per tree (steps, topk, draft "
+        "tokens):\n")
   print("| drafter | " + " | ".join(f"({k.replace(',', ', ')})" for k in keys) + " |")
   print("|---|" + "---|" * len(keys))
   for d, acc in result.items():
@@ -103,8 +105,11 @@ def main() -> int:
            "acceptance": result}
     if misses:
       out["misses"] = {d: b.to_dict() for d, b in misses.items()}
-    with open(args.json, "w") as f:
-      json.dump(out, f, indent=1)
+    try:
+      write_output(args.json, "--json", lambda f: json.dump(out, f, indent=1))
+    except ValueError as e:
+      print(f"compare_drafters.py: error: {e}", file=sys.stderr)
+      return 2
   return 0
 
 

@@ -38,6 +38,9 @@ def main() -> int:
     cfg = DemoConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(DemoConfig)})
     check_drafter_recipe(cfg)
     check_writable(args.curve, "--curve")
+    if os.path.splitext(args.curve)[1].lower() == ".png":
+      raise ValueError(f"--curve {args.curve!r} is where the JSON goes, and the plot goes "
+                       "beside it with .png: the plot would overwrite it. Give a .json path")
     if args.state_dir and not args.drafter_only:
       raise ValueError("--state-dir keeps a drafter-only run's data and checkpoints; a full "
                        "rebuild retrains the target, so that data would not fit it. Add "

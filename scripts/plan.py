@@ -26,9 +26,13 @@ def main() -> int:
   p.add_argument("--prompt-len", type=int, default=None,
                  help="prefill length compiled (default: 2048, or the context if shorter)")
   p.add_argument("--quantization", default="keep", choices=("keep", "dequantize"))
-  p.add_argument("--steps", type=int, default=7)
-  p.add_argument("--topk", type=int, default=1)
-  p.add_argument("--draft-tokens", type=int, default=8)
+  p.add_argument("--steps", type=int, default=None,
+                 help="drafted levels (default 7; needs --drafter-config)")
+  p.add_argument("--topk", type=int, default=None,
+                 help="branches per node (default 1, a chain; needs --drafter-config)")
+  p.add_argument("--draft-tokens", type=int, default=None,
+                 help="tree nodes verified, root included (default 8; a chain verifies "
+                      "steps + 1; needs --drafter-config)")
   p.add_argument("--no-cost", action="store_true", help="skip the per-round cost fit")
   p.add_argument("--json", action="store_true", help="print one JSON object")
   args = p.parse_args()
@@ -45,13 +49,26 @@ def main() -> int:
   try:
     hf = read_json(args.config, "--config", want_object=True)
     drafter = None
+    tree_flags = {"--steps": args.steps, "--topk": args.topk, "--draft-tokens": args.draft_tokens}
     if args.drafter_config:
       drafter = read_json(args.drafter_config, "--drafter-config", want_object=True)
+    elif any(v is not None for v in tree_flags.values()):
+      given = [k for k, v in tree_flags.items() if v is not None]
+      raise ValueError(f"{', '.join(given)} shape the draft tree, but without "
+                       "--drafter-config the plan is autoregressive: add the drafter's "
+                       "config.json, or drop them")
+    steps = 7 if args.steps is None else args.steps
+    topk = 1 if args.topk is None else args.topk
+    draft_tokens = 8 if args.draft_tokens is None else args.draft_tokens
+    if drafter is not None and topk == 1 and args.draft_tokens not in (None, steps + 1):
+      print(f"note: --topk 1 is a chain of --steps {steps} drafts: it verifies {steps + 1} "
+            f"tokens, not --draft-tokens {args.draft_tokens}", file=sys.stderr)
+      draft_tokens = steps + 1
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     result = plan(hf, drafter, data=data, tensor=tensor, hbm_gib=args.hbm_gib,
                   device=args.device, batch=args.batch, context=args.context,
                   prompt_len=args.prompt_len, quantization=args.quantization,
-                  steps=args.steps, topk=args.topk, draft_tokens=args.draft_tokens,
+                  steps=steps, topk=topk, draft_tokens=draft_tokens,
                   with_cost=not args.no_cost, log=log)
   except (ValueError, OSError) as e:
     print(f"plan.py: error: {e}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 
@@ -129,6 +130,16 @@ def _read_prompts(args) -> list[list[int]]:
   return [codec.encode_prompt(line) for line in lines]
 
 
+def _config_or_none(folder: str):
+  """``folder/config.json`` as JSON, or None where it is missing or unreadable (the target's
+  loader names those cases later)."""
+  try:
+    with open(os.path.join(folder, "config.json"), encoding="utf-8") as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def _train_config(args, train_config_cls):
   values = {}
   if args.config:
@@ -145,6 +156,12 @@ def run(argv=None) -> int:
   try:
     if not os.path.isdir(args.target):
       raise ValueError(f"--target {args.target!r} is not a directory")
+    from eagle3jax.config import DRAFTER_CONFIG_FIELDS  # pylint: disable=import-outside-toplevel
+    found = _config_or_none(args.target)  # first: the prompts' advice assumes a target folder
+    if isinstance(found, dict) and DRAFTER_CONFIG_FIELDS & set(found):
+      raise ValueError(f"--target {args.target!r} holds an EAGLE-3 drafter (its config.json "
+                       f"has {sorted(DRAFTER_CONFIG_FIELDS & set(found))}); pass the target "
+                       "model's folder")
     mesh_sizes = parse_ints(args.mesh, "--mesh", count=2, form="DATA,TENSOR (two integers)")
     config = _train_config(args, TrainConfig)
     prompts = _read_prompts(args)

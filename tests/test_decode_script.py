@@ -99,6 +99,22 @@ def test_one_line_errors(dirs, capsys, argv, message):
   assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_prompt_ids_need_no_readable_tokenizer(dirs, tmp_path, capsys):
+  """With --prompt-ids the tokenizer only shows the output as text: a damaged one used to stop
+  the run, advising the ids already given (and a flag decode.py does not have)."""
+  import shutil
+  target, drafter = dirs
+  broken = tmp_path / "target"
+  shutil.copytree(target, broken)
+  (broken / "tokenizer.json").write_text("{not a tokenizer")
+  assert run(["--target", str(broken), "--drafter", drafter, "--prompt-ids", "5,6,7",
+              "--max-new-tokens", "4", "--steps", "3", "--json"]) == 0
+  out, err = capsys.readouterr()
+  assert len(json.loads(out)["output_ids"]) == 4
+  assert "could not be read as a tokenizer" in err and "printing token ids" in err
+  assert "--prompt-ids-file" not in err
+
+
 def test_script_help_runs():
   out = subprocess.run([sys.executable, "scripts/decode.py", "--help"], capture_output=True,
                        text=True, check=True).stdout

@@ -9,6 +9,13 @@ import pytest
 from eagle3jax.flags import parse_ints, positive_int, require_modules
 
 
+def test_parse_ints_refuses_repeats_where_asked():
+  assert parse_ints("1,4", "--batches", unique=True) == (1, 4)
+  assert parse_ints("1,1", "--mesh", count=2) == (1, 1)  # a mesh may repeat a size
+  with pytest.raises(ValueError, match=r"^--depths '6,3,6,3' names \[3, 6\] more than once; "):
+    parse_ints("6,3,6,3", "--depths", unique=True)
+
+
 def test_parse_ints_reads_lists_and_refuses_by_name():
   assert parse_ints("1,5,8", "--capture") == (1, 5, 8)
   assert parse_ints(" 2, 6 ,11 ", "--capture") == (2, 6, 11)
@@ -66,9 +73,29 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
      "--json '/nonexistent-dir/m.json': folder '/nonexistent-dir' does not exist"),
     ("scripts/bench_moe.py", ["--experts", "4", "--top-k", "8"],
      "bench_moe.py: error: RoutingConfig: top_k=8 must be"),
-    # Said as a routing-groups error before.
+    # Said as a routing-groups error before (with advice the script has no flag for).
     ("scripts/bench_moe.py", ["--experts", "0,4"],
-     "--experts '0,4': every expert count must be at least 1"),
+     "--experts '0,4': every expert count must be at least 2"),
+    ("scripts/bench_moe.py", ["--experts", "1"],
+     "--experts '1': every expert count must be at least 2"),
+    # A value given twice was measured twice and pooled into one row (or broke the table).
+    ("scripts/bench_moe.py", ["--experts", "8,8"], "--experts '8,8' names [8] more than once"),
+    ("scripts/bench_compile.py", ["--depths", "4,3,3"],
+     "--depths '4,3,3' names [3] more than once"),
+    ("scripts/bench.py", ["--batches", "1,1", "--out", "/tmp/b.json"],
+     "--batches '1,1' names [1] more than once"),
+    # Root passes os.access on any folder: the write itself is tried before the run (the run
+    # used to end in a FileNotFoundError traceback).
+    ("scripts/bench.py", ["--out", "/proc/b.json"],
+     "--out '/proc/b.json': folder '/proc' is not writable"),
+    # The folder of --target, not the demo folder, has to hold manifest.json.
+    ("scripts/bench.py", ["--target", "tests", "--no-transformers", "--out", "/tmp/b.json"],
+     "--target must be the target/ folder of such a folder, e.g. models/default/target"),
+    # The JSON used to be written, then overwritten by its own plot, after the whole run.
+    ("scripts/make_demo.py", ["--curve", "/tmp/c.png"], "--curve '/tmp/c.png' is where the JSON"),
+    # Refused by the drafter's training, after the target's 42 minutes, before.
+    ("scripts/make_demo.py", ["--draft-vocab-size", "10000", "--curve", "/tmp/c.json"],
+     "draft_vocab_size=10000 exceeds vocab_size=8192"),
     ("scripts/bench_compile.py", ["--depths", "2,4"], "depths=[2, 4] must be layer counts >= 3"),
     ("scripts/bench_compile.py", ["--json", "tests"], "--json 'tests' is a folder"),
     ("scripts/bench_kernel.py", ["--small", "--interpret", "--out", "/nonexistent-dir/k.json"],
@@ -100,6 +127,40 @@ def test_scripts_refuse_bad_outputs_and_sizes_before_running(script, argv, messa
   err = capsys.readouterr().err
   assert code == 2, err
   assert message in err and "Traceback" not in err, err
+
+
+def test_outputs_are_tried_and_a_late_failure_is_one_line(capsys):
+  from eagle3jax.bench import report
+  from eagle3jax.flags import check_writable, write_output
+  with pytest.raises(ValueError, match=r"^--out '/proc/x.json': folder '/proc' is not writable"):
+    check_writable("/proc/x.json", "--out")
+  with pytest.raises(ValueError, match=r"^--json '/proc/x.json' could not be written: "):
+    write_output("/proc/x.json", "--json", lambda f: f.write("{}"))
+  # A folder that goes away during the run: the benchmark's table is printed, then one line.
+  assert report({"a": 1}, "| table |", "/proc/x.json", "bench_x.py") == 2
+  out, err = capsys.readouterr()
+  assert out.strip() == "| table |"
+  assert err.startswith("bench_x.py: error: --json '/proc/x.json' could not be written")
+
+
+def test_bench_train_finds_the_manifest_beside_a_relative_target(monkeypatch):
+  """--target target from inside the demo folder looked for target/manifest.json."""
+  import os
+  from eagle3jax import bench_train, demo
+  seen = []
+
+  class Found(Exception):
+    pass
+
+  def heldout(out_dir, tok, *a, **kw):
+    seen.append(out_dir)
+    raise Found
+  monkeypatch.setattr(demo, "heldout_prompts", heldout)
+  monkeypatch.chdir(os.path.join(os.path.dirname(os.path.dirname(__file__)), "models",
+                                 "default"))
+  with pytest.raises(Found):
+    bench_train.train_step_times("target", runs=1, repeats=1)
+  assert seen == [os.getcwd()]
 
 
 def test_positive_int_and_require_modules():

@@ -112,6 +112,9 @@ def test_drafter_and_deepseek_latent_cache_bytes():
   # whole model's cache here, under an "all devices" label).
   assert r["kv_bytes_per_token"] == per_token
   assert f"| KV bytes per token / device | {per_token} |" in plan_lib.markdown(r)
+  # The table says which tree its figures are for (it said none).
+  assert "| draft tree (steps, topk, draft tokens) | none: autoregressive |" in (
+      plan_lib.markdown(r))
   rd = plan_lib.plan(LLAMA, DRAFTER, data=1, tensor=8, batch=1, context=128, prompt_len=16,
                      with_cost=False, log=lambda m: None)
   # Drafter: one layer (attention input 2D) and the draft head split over the tensor axis; fc
@@ -120,6 +123,7 @@ def test_drafter_and_deepseek_latent_cache_bytes():
   replicated = 3 * D * D + 4 * D
   assert rd["per_device"]["drafter_weights"] == 2 * (split // 8 + replicated) + 128 * 4 + V
   assert rd["capture"] == [0, 1, 2] and rd["tree"] == [7, 1, 8]
+  assert "| draft tree (steps, topk, draft tokens) | (7, 1, 8) |" in plan_lib.markdown(rd)
 
 
 def test_round_cost_counts_every_layer_once():
@@ -169,7 +173,10 @@ def test_script_json_and_errors(tmp_path):
       (["--config", str(cfg), "--drafter-config", str(tmp_path / "list.json")],
        f"--drafter-config {str(tmp_path / 'list.json')!r} must hold a JSON object"),
       (["--config", str(tmp_path / "bad.json")],
-       f"--config {str(tmp_path / 'bad.json')!r} is not JSON")):
+       f"--config {str(tmp_path / 'bad.json')!r} is not JSON"),
+      # Accepted and ignored before: without a drafter the plan is autoregressive.
+      (["--config", str(cfg), "--steps", "3", "--draft-tokens", "5"],
+       "--steps, --draft-tokens shape the draft tree, but without --drafter-config")):
     bad = subprocess.run([sys.executable, "scripts/plan.py", *argv, "--mesh", "1,1",
                           "--no-cost"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and message in bad.stderr, bad.stderr

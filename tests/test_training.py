@@ -719,6 +719,9 @@ def test_script_heldout_prompts_are_checked(tmp_path, capsys):
      "--mesh '2': expected DATA,TENSOR"),
     (["--target", ".", "--out", "o", "--prompt-ids-file", "p", "--warmup-steps", "5000"],
      "warmup_steps=5000 must be below total_steps"),
+    # Named after a detour through the prompts' advice (--prompt-ids-file) before.
+    (["--target", "models/default/drafter", "--out", "o", "--prompts", "p.txt"],
+     "--target 'models/default/drafter' holds an EAGLE-3 drafter"),
 ])
 def test_script_errors_are_one_line(argv, message, capsys):
   assert _script().run(argv) == 2
