@@ -514,7 +514,8 @@ def save_drafter(drafter: Eagle3Drafter, path: str, *, include_embedding: bool =
     contract.check_acceptance(k, v)
   check_drafter_folder(path, "save_drafter's path")
   cfg = drafter.config
-  warn_portability(cfg, target.num_layers if target is not None else None, "this drafter")
+  warn_portability(cfg, target.num_layers if target is not None else None, "this drafter",
+                   own_embedding=drafter.own_embedding)
   record = getattr(drafter, "capture_record", None)
   if target is None and record is not None and record.capture != cfg.capture.layer_ids:
     raise ValueError(
@@ -655,12 +656,16 @@ class PortabilityWarning(UserWarning):
 OFFICIAL_ROPE_TYPES = ("default", "linear", "dynamic")  # the official EAGLE-3 code's
 
 
-def portability_problems(cfg: DrafterConfig, num_target_layers: int | None = None
-                         ) -> list[str]:
+def portability_problems(cfg: DrafterConfig, num_target_layers: int | None = None, *,
+                         own_embedding: bool = False) -> list[str]:
   """What keeps the official EAGLE-3 code or SGLang from serving a drafter of ``cfg`` as it
   was trained (``[]``: both serve it as this project does). ``num_target_layers``: the
-  target's layer count, to compare the capture with the layers the official code reads."""
+  target's layer count, to compare the capture with the layers the official code reads;
+  ``own_embedding``: the drafter carries a token embedding other than the target's."""
   out = []
+  if own_embedding and cfg.feature_size == cfg.hidden_size:
+    out.append("it carries its own token embedding, which SGLang replaces with the target's "
+               "(it shares the target's wherever the widths match)")
   ids = cfg.capture.as_list()
   if len(ids) != 3:
     out.append(f"it reads {len(ids)} captured layers, but the official EAGLE-3 code and SGLang "
@@ -688,9 +693,10 @@ def portability_problems(cfg: DrafterConfig, num_target_layers: int | None = Non
   return out
 
 
-def warn_portability(cfg: DrafterConfig, num_target_layers: int | None, what: str) -> None:
+def warn_portability(cfg: DrafterConfig, num_target_layers: int | None, what: str, *,
+                     own_embedding: bool = False) -> None:
   """A ``PortabilityWarning`` naming ``portability_problems`` of ``what``, if any."""
-  problems = portability_problems(cfg, num_target_layers)
+  problems = portability_problems(cfg, num_target_layers, own_embedding=own_embedding)
   if problems:
     warnings.warn(f"{what} serves here as trained, but not in the official EAGLE-3 code or "
                   f"SGLang: {'; '.join(problems)}", PortabilityWarning,

@@ -84,6 +84,9 @@ def test_checkpoint_with_own_embedding(tmp_path, tgt):
   loaded = eagle3jax.load_drafter(str(tmp_path), target=tgt)
   assert loaded.own_embedding
   np.testing.assert_array_equal(np.asarray(loaded.embed_tokens[...]), own)
+  # SGLang would serve it with the target's table: the re-export says so.
+  with pytest.warns(eagle3jax.PortabilityWarning, match="carries its own token embedding"):
+    eagle3jax.save_drafter(loaded, str(tmp_path / "again"))
   ids, aux = _inputs(tgt, h.CAPTURE)
   assert not np.allclose(np.asarray(eagle3jax.draft_logits(dr, ids, aux)),
                          np.asarray(eagle3jax.draft_logits(loaded, ids, aux)))
