@@ -4,16 +4,18 @@
 arrays only (``nnx.eval_shape``; every parameter a ``ShapeDtypeStruct`` with the sharding the
 rules give it, nothing of model size allocated), on a mesh of devices that need not exist (fake
 CPU devices), and AOT-compiles the two programs ``generate`` runs, prefill and the speculative
-decode loop, for batch ``B`` and cache length ``S``. It reports per device:
+decode loop, for batch ``B`` (run as ``generate`` runs it: padded to its bucket,
+``generate.batch_bucket``) and cache length ``S``. It reports per device:
 
 * ``weights``: the bytes of every parameter shard a device holds (quantized weights as stored:
   INT4 / FP8 values plus their scales);
 * ``kv_cache``: the target's (and drafter's) caches, and the bytes per token;
 * ``temp``: the compiled programs' temporary buffers (``compiled.memory_analysis()``; the larger
   of prefill and decode);
-* ``total`` against the device memory, whether it fits, the largest batch at context ``S`` and
-  the longest context at batch ``B`` that fit (temporaries scaled linearly with the batch from
-  the compiled point: an estimate);
+* ``total`` against the device memory, whether it fits, the largest batch at context ``S`` (the
+  rows that fit, ``max_rows``, rounded down to a batch whose bucket fits) and the longest
+  context at batch ``B`` that fit (temporaries scaled linearly with the rows from the compiled
+  point: an estimate);
 
 and per speculative round: FLOPs and bytes accessed (``compiled.cost_analysis()``), with a
 roofline estimate of the round's time on the named device and the tokens/s that gives at a
@@ -50,6 +52,7 @@ from eagle3jax import stack as stack_lib
 from eagle3jax.capture import CaptureSpec
 from eagle3jax.deepseek_config import DEEPSEEK_MODEL_TYPES, hf_model_type
 from eagle3jax.drafter import Eagle3Drafter, drafter_kv_repeat
+from eagle3jax.generate import batch_bucket
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.checks import is_integer
 from eagle3jax.sharding import BATCH, SEQ, TENSOR, make_mesh, param_spec, shard
@@ -328,8 +331,7 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
   dev = DEVICES[device]
   hbm = int((hbm_gib if hbm_gib is not None else dev.hbm_gib) * GIB)
   mesh = make_mesh(data, tensor)
-  if batch % data:
-    raise ValueError(f"batch={batch} must be a multiple of the mesh's data={data}")
+  rows = batch_bucket(batch, data)  # what generate runs a batch of ``batch`` prompts as
   with jax.set_mesh(mesh), moe.as_accelerator():
     graphdef, params, target, drafter, capture = build(hf_cfg, drafter_hf, mesh, dtype=dtype,
                                                        quantization=quantization)
@@ -340,7 +342,7 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     spec = _engine_spec(capture, steps, topk, draft_tokens)
     max_len = -(-(context + spec.slots_needed + spec.commit_width + 1) // 64) * 64
     t0 = time.perf_counter()
-    prefill, decode, st = _lower(graphdef, params, target, capture, spec, batch, prompt_len,
+    prefill, decode, st = _lower(graphdef, params, target, capture, spec, rows, prompt_len,
                                  max_len)
     prefill_c = prefill.compile()
     decode_c = decode.compile()
@@ -354,30 +356,31 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
     temp = max(prefill_c.memory_analysis().temp_size_in_bytes,
                decode_c.memory_analysis().temp_size_in_bytes)
     total = weights + drafter_weights + kv + state + temp
-    local_batch = batch // data
-    kv_per_token = kv / (local_batch * max_len)
+    local_rows = rows // data
+    kv_per_token = kv / (local_rows * max_len)
     fixed = weights + drafter_weights
-    per_seq = kv / local_batch + (temp + state) / local_batch
-    max_batch = int(max(0, (hbm - fixed) // per_seq)) * data if per_seq else 0
+    per_seq = kv / local_rows + (temp + state) / local_rows
+    max_rows = int(max(0, (hbm - fixed) // per_seq)) * data if per_seq else 0
     room = hbm - fixed - temp - state
-    memory_context = int(max(0, room // (kv_per_token * local_batch))) if kv_per_token else 0
+    memory_context = int(max(0, room // (kv_per_token * local_rows))) if kv_per_token else 0
     max_context = min(memory_context, limit)  # memory may hold more than the model can serve
     result = {
         "config": hf_model_type(hf_cfg), "device": dev.name, "mesh": [data, tensor],
-        "quantization": quantization, "batch": batch, "context": context,
+        "quantization": quantization, "batch": batch, "rows": rows, "context": context,
         "cache_slots": max_len, "prompt_len": prompt_len,
         "tree": None if spec.tree is None else [steps, topk, spec.tree.num_draft_tokens],
         "capture": None if capture is None else capture.as_list(),
         "per_device": {"weights": weights, "drafter_weights": drafter_weights, "kv_cache": kv,
                        "decode_state": state, "temp": temp, "total": total},
         "kv_bytes_per_token": kv_per_token, "hbm_bytes": hbm, "fits": total <= hbm,
-        "max_batch": max_batch, "max_context": max_context,
+        "max_batch": largest_batch(max_rows, data), "max_rows": max_rows,
+        "max_context": max_context,
         "max_context_memory": memory_context, "max_position_embeddings": limit,
         "compile_s": compile_s, "compile_cache": _persistent_cache(),
     }
     if with_cost:
       t0 = time.perf_counter()
-      cost = round_cost(graphdef, params, target, capture, spec, batch=batch, max_len=max_len,
+      cost = round_cost(graphdef, params, target, capture, spec, batch=rows, max_len=max_len,
                         decode_compiled=decode_c, hf_cfg=hf_cfg, drafter_hf=drafter_hf,
                         mesh=mesh, dtype=dtype, quantization=quantization, log=log)
       round_s = max(cost["flops"] / dev.flops_per_s, cost["bytes"] / dev.hbm_bytes_per_s)
@@ -388,6 +391,15 @@ def plan(hf_cfg: dict, drafter_hf: dict | None = None, *, data: int = 1, tensor:
                                     for a in acceptance_lengths},
       })
   return result
+
+
+def largest_batch(rows: int, data: int = 1) -> int:
+  """The most prompts a batch can hold when memory holds ``rows`` rows: ``generate`` runs a
+  batch as its bucket (``batch_bucket``), so 3 rows hold a batch of 2 (3 would run as 4)."""
+  b = max(0, int(rows))
+  while b and batch_bucket(b, data) > rows:
+    b -= 1
+  return b
 
 
 def _max_context(result: dict) -> str:
@@ -407,7 +419,9 @@ def markdown(result: dict) -> str:
           ("draft tree (steps, topk, draft tokens)",
            "none: autoregressive" if tree is None else str(tuple(tree))),
           ("quantization", result["quantization"]),
-          ("batch x context", f"{result['batch']} x {result['context']}"),
+          ("batch x context", f"{result['batch']} x {result['context']}" + (
+              f" (runs as {result['rows']} rows: generate.batch_bucket)"
+              if result.get("rows", result["batch"]) != result["batch"] else "")),
           ("weights / device", g(pd["weights"])),
           ("drafter weights / device", g(pd["drafter_weights"])),
           ("KV cache / device", g(pd["kv_cache"])),
@@ -415,7 +429,9 @@ def markdown(result: dict) -> str:
           ("compiled temporaries / device", g(pd["temp"])),
           ("total / device", g(pd["total"])),
           (f"fits {result['hbm_bytes'] / GIB:.0f} GiB", "yes" if result["fits"] else "no"),
-          (f"max batch at {result['context']}", str(result["max_batch"])),
+          (f"max batch at {result['context']}", str(result["max_batch"]) + (
+              f" ({result['max_rows']} rows would fit; a batch runs as its bucket)"
+              if result.get("max_rows", result["max_batch"]) != result["max_batch"] else "")),
           (f"max context at batch {result['batch']}", _max_context(result)),
           ("compile (prefill + decode) here", f"{result['compile_s']:.1f} s" + (
               f" (persistent compilation cache {result['compile_cache']}: may be a read from "

@@ -90,6 +90,22 @@ def test_plan_refuses_what_it_cannot_size(kwargs, message):
     plan_lib.plan(LLAMA, **args)
 
 
+def test_plan_sizes_the_rows_generate_runs():
+  """generate pads a batch to its bucket (3 prompts run as 4 rows): the plan compiles those
+  rows, and its largest batch is one whose bucket fits (3 rows of memory hold a batch of 2)."""
+  assert [plan_lib.largest_batch(n) for n in (0, 1, 2, 3, 7, 8, 15, 16, 23)] == [
+      0, 1, 2, 2, 4, 8, 8, 16, 16]
+  assert [plan_lib.largest_batch(n, 2) for n in (1, 2, 3, 5)] == [0, 2, 2, 4]
+  r = plan_lib.plan(LLAMA, data=2, tensor=4, batch=3, context=128, prompt_len=16,
+                    with_cost=False, log=lambda m: None)
+  assert r["batch"] == 3 and r["rows"] == 4  # a batch that data=2 does not divide runs padded
+  one = plan_lib.plan(LLAMA, data=2, tensor=4, batch=4, context=128, prompt_len=16,
+                      with_cost=False, log=lambda m: None)
+  assert r["per_device"] == one["per_device"]
+  assert "3 x 128 (runs as 4 rows" in plan_lib.markdown(r)
+  assert plan_lib.largest_batch(r["max_rows"], 2) == r["max_batch"] <= r["max_rows"]
+
+
 def test_plan_default_prompt_fits_a_short_context():
   # --context below the 2048-token default prefill: the prefill shrinks to the context (it is
   # only an explicit --prompt-len longer than the context that is refused).
