@@ -182,6 +182,23 @@ def to_host(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def to_host_all(*xs) -> tuple[np.ndarray, ...]:
+  """``to_host`` of several arrays with at most one collective: the arrays sharded across
+  processes are all-gathered together (streaming reads three per round)."""
+  out = list(xs)
+  remote = [i for i, x in enumerate(xs)
+            if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated)]
+  for i, x in enumerate(xs):
+    if i not in remote:
+      out[i] = np.asarray(x)
+  if remote:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    gathered = multihost_utils.process_allgather(tuple(xs[i] for i in remote), tiled=True)
+    for i, g in zip(remote, gathered):
+      out[i] = np.asarray(g)
+  return tuple(out)
+
+
 def same_on_all(value: int, what: str) -> None:
   """Raises ValueError unless every process passes the same integer ``value``.
 

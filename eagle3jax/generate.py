@@ -22,7 +22,7 @@ from eagle3jax import params as params_lib
 from eagle3jax.capture import CaptureSpec, as_capture_spec
 from eagle3jax.decoder import DecoderLM
 from eagle3jax.drafter import Eagle3Drafter
-from eagle3jax.distributed import to_host
+from eagle3jax.distributed import to_host, to_host_all
 from eagle3jax.sampling import SamplingParams
 from eagle3jax.sharding import BATCH, DATA, SEQ, shard
 from eagle3jax.tree import TreeShape
@@ -374,10 +374,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       st = decode(params, st, dyn, budget)
       if on_tokens is None:
         break
-      out_len = to_host(st.out_len)[:b]
-      out = to_host(st.out)[:b]
+      out, out_len, done = to_host_all(st.out, st.out_len, st.done)  # one collective
       semantics.as_caller(on_tokens, [out[i, :out_len[i]].tolist() for i in range(b)])
-      if to_host(st.done).all():
+      if done.all():
         break
     jax.block_until_ready(st.out)
     decode_s = time.perf_counter() - t0

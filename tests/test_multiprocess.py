@@ -161,6 +161,18 @@ def test_decode_two_processes_equals_one(capsys, tmp_path):
   assert got["accept_length_mean"] == expected["accept_length_mean"]
 
 
+def test_streaming_rows_sharded_across_processes(capsys, tmp_path):
+  """On a (2, 4) mesh the one prompt runs as two rows (its batch bucket), one per process:
+  streaming gathers the rows' tokens, lengths and flags each round (one collective) and
+  prints the text one process alone prints."""
+  argv = ["--mesh", "2,4", "--max-new-tokens", "16", "--prompt-ids", "5,6,7,8"]
+  assert decode_cli.run(argv) == 0
+  expected = capsys.readouterr().out.split("\n\n")[0]
+  out0, out1 = _finish(_start("decode.py", argv, tmp_path))
+  assert out1 == "" and len(expected.strip()) >= 16
+  assert out0.split("\n\n")[0] == expected
+
+
 def _read(path: str) -> dict:
   return safetensors.numpy.load_file(os.path.join(path, "model.safetensors"))
 
