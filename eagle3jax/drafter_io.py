@@ -59,6 +59,12 @@ def check_drafter_fields(hf: dict) -> None:
   """Refuses drafter config fields eagle3jax does not implement, naming them (as the target
   parser does): unknown fields, and known ones set to what this one-layer drafter does not
   compute."""
+  layers = hf.get("num_hidden_layers", 1)
+  if not DRAFTER_CONFIG_FIELDS & set(hf) and isinstance(layers, int) and layers > 1:
+    raise ValueError(f"this config.json looks like a target model's (num_hidden_layers="
+                     f"{layers} and none of {sorted(DRAFTER_CONFIG_FIELDS)}), not an EAGLE-3 "
+                     "drafter's: pass it as the target (--target / load_target) and the "
+                     "drafter's folder as the drafter")
   unknown = sorted(k for k in hf if k not in _DRAFTER_FIELDS and not k.startswith("_"))
   unknown += sorted(f"eagle_config.{k}" for k in (hf.get("eagle_config") or {})
                     if k not in _EAGLE_FIELDS)

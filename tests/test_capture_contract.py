@@ -552,7 +552,12 @@ def _hf(**extra):
 @pytest.mark.parametrize("extra,match", [
     ({"some_new_field": 1}, r"fields eagle3jax does not implement: \['some_new_field'\]"),
     ({"norm_before_residual": True}, "norm_before_residual=True"),
-    ({"num_hidden_layers": 2}, "num_hidden_layers=2"),
+    ({"num_hidden_layers": 2, "draft_vocab_size": 131},
+     r"num_hidden_layers=2 \(an EAGLE-3 drafter here is one decoder layer"),
+    # A target's folder passed as the drafter: said as such (it was "num_hidden_layers=12 ...
+    # not implement").
+    ({"num_hidden_layers": 12}, r"looks like a target model's \(num_hidden_layers=12 and none "
+                                r"of \['draft_vocab_size', 'eagle_config', 'target_hidden_size'\]"),
     ({"sliding_window": 128, "use_sliding_window": True}, "sliding_window"),
     ({"layer_types": ["sliding_attention"]}, "layer_types"),
     ({"eagle_config": {"unknown_key": 1}}, r"eagle_config\.unknown_key"),
