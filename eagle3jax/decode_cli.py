@@ -83,6 +83,9 @@ def _run(args) -> int:
       hint = (" (the shipped default models are not in this checkout; pass --target and "
               "--drafter)" if path in (DEFAULT_TARGET, DEFAULT_DRAFTER) else "")
       raise ValueError(f"{flag} {path!r} is not a directory{hint}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+      raise ValueError(f"{flag} {path!r} has no config.json: give the folder of a "
+                       f"{'target model' if flag == '--target' else 'drafter'} checkpoint")
   initialize_from_flags(args)
   main = is_main_process()  # only process 0 prints
   mesh = _mesh(args.mesh)

@@ -86,6 +86,9 @@ def test_draft_tokens_unused_by_a_chain_is_said(dirs, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--target", "/nonexistent"], "--target '/nonexistent' is not a directory"),
+    # Said without the flag before ("'tests' has no config.json").
+    (["--drafter", "tests"], "--drafter 'tests' has no config.json: give the folder of a "
+                             "drafter checkpoint"),
     (["--mesh", "1"], "expected DATA,TENSOR"),
     (["--prompt-ids", "1,x"], "expected comma-separated integers"),
     (["--prompt-ids", "1,2", "--max-new-tokens", "0"], "max_new_tokens=0"),
