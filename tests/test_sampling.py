@@ -92,3 +92,19 @@ def test_speculative_sampling_on_tensor8_matches_single_device():
   other, _ = _first3(one, None, 0.8, 0.6, seed=11, top_k=5)  # power: another top-p differs
   stat2, critical2 = chi2_homogeneity(other, spec, 8)
   assert stat2 > critical2, f"chi2={stat2:.1f} <= {critical2:.1f}"
+
+
+def test_sampling_with_the_rbg_prng_on_a_data_axis():
+  """Rows sharded over data (a batch of one runs as two rows on data=2): with the rbg PRNG
+  the rejection sampler's per-row uniforms failed to compile (its batching rule slices the
+  sharded keys); they are laid out explicitly, as the bonus draw's noise is."""
+  import jax  # pylint: disable=import-outside-toplevel
+  with jax.default_prng_impl("rbg"):
+    tgt = h.target(eagle3jax.make_mesh(2, 1))
+    dr = h.copy_drafter(tgt)
+    kw = dict(max_new_tokens=12, temperature=0.8, top_p=0.9, eos_ids=[], seed=1)
+    for prompts in (h.PROMPTS[:1], h.PROMPTS):
+      spec = eagle3jax.generate(tgt, dr, prompts, num_steps=3, topk=2, num_draft_tokens=5, **kw)
+      assert [len(t) for t in spec.tokens] == [12] * len(prompts)
+      again = eagle3jax.generate(tgt, dr, prompts, num_steps=3, topk=2, num_draft_tokens=5, **kw)
+      assert again.tokens == spec.tokens  # a seed draws the same tokens
