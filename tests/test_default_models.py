@@ -141,7 +141,7 @@ def test_training_benchmark_times_both_losses_on_one_batch(tmp_path, capsys):
   assert result["ratio"]["runs"] == pytest.approx(ratios)
   assert min(result["features"]["runs"]) > 0
   assert "| step, plain formula |" in markdown(result)
-  assert report(result, markdown(result), str(tmp_path / "train.json")) == 0
+  assert report(result, markdown(result), str(tmp_path / "train.json"), "bench_train.py") == 0
   assert "| step, plain formula |" in capsys.readouterr().out
   with open(tmp_path / "train.json") as f:
     assert json.load(f)["ratio"] == result["ratio"]
