@@ -5,16 +5,14 @@ autoregressive vs ``transformers`` tokens/s measured side by side in one run, re
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
 
-from eagle3jax.flags import write_output
+from eagle3jax.flags import write_json
 
 SETTINGS = ((3, 1, 4), (5, 1, 6), (7, 1, 8), (5, 4, 8), (7, 10, 60))
 
@@ -31,13 +29,7 @@ def report(result: dict, table: str, json_path: str | None, script: str) -> int:
   ``--json`` flag), writes ``result`` there; returns the exit status (2, with ``script``'s
   error line, when the file cannot be written)."""
   print(table)
-  if json_path:
-    try:
-      write_output(json_path, "--json", lambda f: json.dump(result, f, indent=1))
-    except ValueError as e:
-      print(f"{script}: error: {e}", file=sys.stderr)
-      return 2
-  return 0
+  return write_json(json_path, "--json", result, script) if json_path else 0
 
 
 def machine() -> dict:

@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import os
+import sys
 import tempfile
 
 
@@ -107,6 +108,17 @@ def write_output(path: str, flag: str, write) -> None:
       write(f)
   except OSError as e:
     raise ValueError(f"{flag} {path!r} could not be written: {e.strerror or e}") from None
+
+
+def write_json(path: str, flag: str, value, script: str) -> int:
+  """A script's last step: ``value`` as JSON to ``path`` (the ``flag`` output); returns the
+  exit status, 0, or 2 after ``script``'s one error line when the file cannot be written."""
+  try:
+    write_output(path, flag, lambda f: json.dump(value, f, indent=1))
+  except ValueError as e:
+    print(f"{script}: error: {e}", file=sys.stderr)
+    return 2
+  return 0
 
 
 def need_file(path: str, flag: str) -> None:

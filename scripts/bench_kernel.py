@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import statistics
 import sys
 import time
@@ -37,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax.attention import attend
-from eagle3jax.flags import check_writable, positive_int, write_output
+from eagle3jax.flags import check_writable, positive_int, write_json
 from eagle3jax.kernels import tree_attention, tree_attention_reference
 
 PEAK_BYTES_PER_S = 4.8e12  # H200 HBM3e
@@ -156,12 +155,8 @@ def main(argv=None):
     rows.append(row)
     print(format_row(row), flush=True)
   if args.out:
-    result = {"device": jax.devices()[0].device_kind, "rows": rows}
-    try:
-      write_output(args.out, "--out", lambda f: json.dump(result, f, indent=1))
-    except ValueError as e:
-      print(f"bench_kernel.py: error: {e}", file=sys.stderr)
-      return 2
+    return write_json(args.out, "--out", {"device": jax.devices()[0].device_kind, "rows": rows},
+                      "bench_kernel.py")
   return 0
 
 

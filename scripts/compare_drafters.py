@@ -6,14 +6,13 @@ token (training.miss_breakdown): per-step accuracy, and step 0's by the target's
 top-2 logit gap and by position in the response."""
 
 import argparse
-import json
 import os
 import sys
 
 from eagle3jax.capture_contract import tree_key
 from eagle3jax.demo import DEFAULT_DIR, compare_drafters, drafter_misses, load_demo_target
 from eagle3jax.flags import (check_writable, measured_new_tokens, nonnegative_int, parse_ints,
-                             positive_int, write_output)
+                             positive_int, write_json)
 from eagle3jax.tree import checked_shape
 
 
@@ -105,11 +104,7 @@ def main() -> int:
            "acceptance": result}
     if misses:
       out["misses"] = {d: b.to_dict() for d, b in misses.items()}
-    try:
-      write_output(args.json, "--json", lambda f: json.dump(out, f, indent=1))
-    except ValueError as e:
-      print(f"compare_drafters.py: error: {e}", file=sys.stderr)
-      return 2
+    return write_json(args.json, "--json", out, "compare_drafters.py")
   return 0
 
 
