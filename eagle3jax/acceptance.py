@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from eagle3jax import vocab_parallel as vp
 from eagle3jax.sharding import batch_major as bm, gather_rows, pick_rows
@@ -53,15 +52,7 @@ def rejection_sample(probs: jax.Array, tokens: jax.Array, parent: jax.Array,
   Returns ``(best [B], accepted [B], bonus [B])``.
   """
   b, p, v = probs.shape
-  # float32 whatever jax_enable_x64 says: a seed draws the same tokens either way. On a mesh
-  # each row's draw is laid out explicitly (as vp.gumbel_rows): with keys sharded over data,
-  # the rbg PRNG's batching rule slices the key array, which Explicit sharding refuses.
-  if vp._mesh() is None:  # pylint: disable=protected-access
-    draw = lambda k: jax.random.uniform(k, (max_depth, p), jnp.float32)  # noqa: E731
-  else:
-    draw = lambda k: jax.random.uniform(k, (max_depth, p), jnp.float32,  # noqa: E731
-                                        out_sharding=P())
-  uniforms = jax.vmap(draw)(keys)
+  uniforms = vp.uniform_rows(keys, (max_depth, p))                            # [B, D, P]
   dist = vp.rows(probs[:, 0])                                                 # [B, V]
   gumbel = vp.gumbel_rows(jax.vmap(lambda k: jax.random.fold_in(k, 1))(keys), dist)
   vocab = jnp.arange(v, dtype=jnp.int32)[None, :]

@@ -176,10 +176,7 @@ def to_host(x) -> np.ndarray:
   directly; arrays sharded across processes are all-gathered (a collective: every process
   must call it for the same array).
   """
-  if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
-    return np.asarray(x)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return to_host_all(x)[0]
 
 
 def to_host_all(*xs) -> tuple[np.ndarray, ...]:

@@ -170,6 +170,15 @@ def nucleus_mask(probs: jax.Array, top_p: jax.Array) -> jax.Array:
   return (bits >= hi[..., None]) | (top_p >= 1.0)
 
 
+def uniform_rows(keys: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """Float32 uniforms ``[B, *shape]``, row ``b`` from ``keys[b]``. On a mesh each row's draw is
+  laid out explicitly (as ``gumbel_rows``): with keys sharded over data, the rbg PRNG's
+  batching rule slices the key array, which Explicit sharding refuses."""
+  # float32 whatever jax_enable_x64 says: a seed draws the same tokens either way.
+  extra = {} if _mesh() is None else {"out_sharding": P()}
+  return jax.vmap(lambda k: jax.random.uniform(k, shape, jnp.float32, **extra))(keys)
+
+
 def gumbel_rows(keys: jax.Array, like: jax.Array) -> jax.Array:
   """Standard Gumbel noise ``[B, V]``, row ``b`` from ``keys[b]`` (typed keys ``[B]``), laid
   out like ``like [B, V]`` (each device draws only its columns; the values do not depend on
