@@ -29,7 +29,8 @@ def default_attention_impl() -> str:
 
 
 def attend(q, k, v, lengths, tree_mask, *, scale: float, impl: str = "xla"):
-  """Attention ``q [B, T, N, H]`` over ``k, v [B, S, K, H]``; returns ``[B, T, N, H]``.
+  """Attention ``q [B, T, N, H]`` over ``k, v [B, K, S, H]`` (the cache's layout,
+  ``eagle3jax.kv_cache``); returns ``[B, T, N, H]``.
 
   ``k``/``v`` already hold the new tokens at ``lengths[b] .. lengths[b] + T - 1``; slots beyond
   ``lengths[b] + T`` may hold anything (NaN included) and do not affect the result.
@@ -59,23 +60,27 @@ def visibility(lengths: jax.Array, tree_mask: jax.Array, num_slots: int) -> jax.
 
 def _attend_xla(q, k, v, lengths, tree_mask, scale):
   b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
+  kh, s = k.shape[1], k.shape[2]
   g = n // kh
   vis = visibility(lengths, tree_mask, s)                                 # [B, T, S]
   # Slots no query may read are arbitrary memory (NaN included). Their scores are replaced by
   # the mask below; their values must be zeroed too, or 0 * NaN reaches the output.
-  live = jnp.any(vis, axis=1)[:, :, None, None]
+  live = jnp.any(vis, axis=1)[:, None, :, None]
   v = jnp.where(live, v, jnp.zeros((), v.dtype))
   qg = q.reshape(b, t, kh, g, h)
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32,
+  scores = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k, preferred_element_type=jnp.float32,
                       out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, SEQ),
                                             (b, kh, g, t, s)))
   scores = scores * scale
   scores = jnp.where(vis[:, None, None, :, :], scores, -1e30)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v, preferred_element_type=jnp.float32,
-                   out_sharding=out_spec((BATCH, SEQ, KV_HEADS, None, HEAD_DIM),
-                                         (b, t, kh, g, h)))
+  # Heads-major output, then the small transpose to [B, T, K, G, H]: asked for directly, XLA
+  # made v the left operand contracted over its slots, which XLA:CPU's dot does not take in
+  # bfloat16.
+  out = jnp.einsum("BKGTS,BKSH->BKGTH", probs, v, preferred_element_type=jnp.float32,
+                   out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, HEAD_DIM),
+                                         (b, kh, g, t, h)))
+  out = out.transpose(0, 3, 1, 2, 4)                                      # [B, T, K, G, H]
   # A query that sees no key gets zeros, as in the kernel (softmax averaged every live value).
   out = jnp.where(jnp.any(vis, axis=-1)[:, :, None, None, None], out, 0)
   return out.reshape(b, t, n, h).astype(q.dtype)

@@ -8,8 +8,8 @@ The forward has the contract of ``eagle3jax.llama.LlamaForCausalLM`` (same argum
 returns, captures through ``CaptureSpec.annotate``), so the engine serves either.
 
 MLA, absorbed form. Per token the cache holds only the normed latent ``ckv [C]`` (in
-``cache.k[i]`` as ``[B, S, 1, C]``) and the roped shared key ``k_pe`` (in ``cache.v[i]`` as
-``[B, S, 1, qk_rope_head_dim]``, de-interleaved as transformers leaves it). With
+``cache.k[i]`` as ``[B, 1, S, C]``) and the roped shared key ``k_pe`` (in ``cache.v[i]`` as
+``[B, 1, S, qk_rope_head_dim]``, de-interleaved as transformers leaves it). With
 ``kv_b_proj = [W_k | W_v]`` (``[C, N, nope]``, ``[C, N, v]``)::
 
     score[n, t, s] = (q_nope[t, n] @ W_k[:, n].T) . ckv[s] + q_pe[t, n] . k_pe[s]
@@ -47,7 +47,7 @@ from eagle3jax.sharding import (BATCH, EMBED, EXPERT, HEAD_DIM, HEADS, LAYERS, L
                                 VOCAB, out_spec)
 
 # Cache layout: one shared "head" (never sharded), latent features replicated.
-LATENT_CACHE_AXES = (LAYERS, BATCH, SEQ, None, LORA)
+LATENT_CACHE_AXES = (LAYERS, BATCH, None, SEQ, LORA)
 # transformers' DeepseekV3RMSNorm default, used by the q/kv latent norms.
 LATENT_NORM_EPS = 1e-6
 
@@ -115,11 +115,11 @@ class MLAttention(nnx.Module):
     ckv, k_pe = self.latents(x, positions)
     q_nope, q_pe = self.queries(x, positions)
     if k_buf is None:  # full sequence: the new tokens are the whole key set
-      keys, values = ckv, k_pe
+      keys, values = ckv[:, :, 0], k_pe[:, :, 0]
     else:  # kv_cache.LayerKV views: write the new latents, attend over the layer's slab
       k_buf, v_buf = k_buf.write(ckv, lengths), v_buf.write(k_pe, lengths)
-      keys, values = k_buf.read(), v_buf.read()
-    out = self.attend(q_nope, q_pe, keys[:, :, 0], values[:, :, 0], lengths, tree_mask)
+      keys, values = k_buf.read()[:, 0], v_buf.read()[:, 0]  # [B, 1, S, C] -> [B, S, C]
+    out = self.attend(q_nope, q_pe, keys, values, lengths, tree_mask)
     return merge_heads(out, self.o_proj[...], ACT), k_buf, v_buf
 
   def attend(self, q_nope, q_pe, ckv, k_pe, lengths, tree_mask):
@@ -256,7 +256,7 @@ class DeepseekForCausalLM(DecoderLM):
 
   # --- cache geometry, for the engine ---
   def allocate_cache(self, batch: int, max_len: int, fill=None) -> kv_lib.KVCache:
-    """A latent cache: ``k[i]`` ``[B, S, 1, C]`` (normed ckv), ``v[i]`` ``[B, S, 1, Hr]``
+    """A latent cache: ``k[i]`` ``[B, 1, S, C]`` (normed ckv), ``v[i]`` ``[B, 1, S, Hr]``
     (roped k_pe), stacked over layers. Call under ``jax.set_mesh``; ``fill`` poisons it (tests
     use NaN)."""
     cfg = self.config

@@ -238,7 +238,8 @@ class Eagle3Drafter(nnx.Module):
       tree_mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     hidden, q, k, v = self.attention_inputs(tokens, hidden, positions)
     if cache is None:
-      k_buf, v_buf, lengths = k, v, jnp.zeros((b,), jnp.int32)
+      k_buf, v_buf = kv_lib.as_slab(k), kv_lib.as_slab(v)
+      lengths = jnp.zeros((b,), jnp.int32)
     else:
       lengths = cache.lengths
       start = lengths if write_at is None else write_at

@@ -141,22 +141,23 @@ def _emit(st: DecodeState, new: jax.Array, count: jax.Array, dyn: Dynamic):
 
 def _commit_cache(cache: KVCache, path: jax.Array, new_lengths: jax.Array) -> KVCache:
   """Copies slots ``lengths + path[:, d]`` to ``lengths + d`` in every layer: one gather and
-  one in-place scatter (unique indices) over ``[L, B, S, K, H]``, shard by shard when rows are
+  one in-place scatter (unique indices) over ``[L, B, K, S, H]``, shard by shard when rows are
   sharded (``kv_cache.update_rows``); a per-layer loop of ``dynamic_update_slice`` made XLA:CPU
   copy the whole cache every round."""
   w = path.shape[1]
   src = bm(cache.lengths[:, None] + path)                                 # [B, W]
   dst = bm(cache.lengths[:, None] + jnp.arange(w, dtype=jnp.int32)[None, :])
 
-  def move(buf, src, dst, **kw):                                          # [L, B, S, K, H]
+  def move(buf, src, dst, **kw):                                          # [L, B, K, S, H]
     b = src.shape[0]
     rows = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, w))
     get_kw = {}
     if kw:  # Explicit axes, rows not sharded: name the gathered layout
       spec = tuple(kw["out_sharding"].spec) + (None,) * buf.ndim
-      get_kw = dict(out_sharding=P(spec[0], spec[1], None, *spec[3:5]))
-    moved = buf.at[:, rows, src].get(mode="promise_in_bounds", **get_kw)
-    return buf.at[:, rows, dst].set(moved, mode="drop", unique_indices=True, **kw)
+      get_kw = dict(out_sharding=P(spec[1], None, spec[0], spec[2], spec[4]))
+    # Advanced indices around the K slice: the gathered view is [B, W, L, K, H].
+    moved = buf.at[:, rows, :, src].get(mode="promise_in_bounds", **get_kw)
+    return buf.at[:, rows, :, dst].set(moved, mode="drop", unique_indices=True, **kw)
   return KVCache(update_rows(move, cache.k, (src, dst)), update_rows(move, cache.v, (src, dst)),
                  new_lengths)
 

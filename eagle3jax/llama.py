@@ -76,7 +76,7 @@ class LlamaAttention(nnx.Module):
     q = apply_rope(q, positions, inv_freq)
     k = apply_rope(k, positions, inv_freq)
     if k_buf is None:  # full sequence: the new tokens are the whole key set
-      keys, values = k, v
+      keys, values = kv_lib.as_slab(k), kv_lib.as_slab(v)
     else:  # kv_cache.LayerKV views: write the new tokens, attend over the layer's slab
       k_buf, v_buf = k_buf.write(k, lengths), v_buf.write(v, lengths)
       keys, values = k_buf.read(), v_buf.read()

@@ -60,15 +60,16 @@ def tree_attention_sharded(q, k, v, lengths, tree_mask, *, mesh, batch_axis: str
 
   b, _, n, _ = q.shape
   data = _axis_if_divides(mesh, batch_axis, b)
-  heads = _axis_if_divides(mesh, head_axis, n, k.shape[2])
-  cache_spec = P(data, None, heads, None)
-  specs = (cache_spec, cache_spec, cache_spec, P(data), P(data, None, None))
+  heads = _axis_if_divides(mesh, head_axis, n, k.shape[1])
+  q_spec = P(data, None, heads, None)                                    # [B, P, N, H]
+  cache_spec = P(data, heads, None, None)                                # [B, K, S, H]
+  specs = (q_spec, cache_spec, cache_spec, P(data), P(data, None, None))
   args = (q, k, v, lengths, tree_mask)
   if _is_explicit(mesh):
     # Under Explicit axes the sharding is part of the type: move each input to its spec first
     # (a no-op when it already matches) so shard_map sees the layout it asks for.
     args = tuple(jax.reshard(x, NamedSharding(mesh, s)) for x, s in zip(args, specs))
-  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=cache_spec, check_vma=False)
+  fn = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=q_spec, check_vma=False)
   return fn(*args)
 
 

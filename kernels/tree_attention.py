@@ -51,8 +51,9 @@ def validate_inputs(q, k, v, lengths, tree_mask) -> None:
 
   Args:
     q: ``[B, P, N, H]`` queries of the tree tokens.
-    k: ``[B, S, K, H]`` key cache, tree keys already written at ``lengths[b] + j``.
-    v: ``[B, S, K, H]`` value cache, same layout as ``k``.
+    k: ``[B, K, S, H]`` key cache (``eagle3jax.kv_cache``'s layout), tree keys already written
+      at ``lengths[b] + j``.
+    v: ``[B, K, S, H]`` value cache, same layout as ``k``.
     lengths: ``[B]`` integer committed prefix length of each row.
     tree_mask: ``[B, P, P]`` bool, query ``i`` may see tree key ``j``.
 
@@ -61,7 +62,7 @@ def validate_inputs(q, k, v, lengths, tree_mask) -> None:
   """
   for name, x in (("q", q), ("k", k), ("v", v)):
     if len(x.shape) != 4:
-      layout = "[B, P, N, H]" if name == "q" else "[B, S, K, H]"
+      layout = "[B, P, N, H]" if name == "q" else "[B, K, S, H]"
       raise ValueError(f"{name} must have rank 4 {layout}, got shape {tuple(x.shape)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
@@ -69,14 +70,14 @@ def validate_inputs(q, k, v, lengths, tree_mask) -> None:
     raise ValueError(f"q, k and v must share one dtype, got q {q.dtype}, k {k.dtype}, "
                      f"v {v.dtype}")
   b, p, n, h = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  kv_heads, s = k.shape[1], k.shape[2]
   empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
   if empty or s == 0:
     raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
-                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{tuple(k.shape)} [B, K, S, H]) need non-empty dimensions; got "
                      f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   if tuple(v.shape) != tuple(k.shape):
-    raise ValueError(f"v must have the shape of k {tuple(k.shape)} [B, S, K, H], got "
+    raise ValueError(f"v must have the shape of k {tuple(k.shape)} [B, K, S, H], got "
                      f"{tuple(v.shape)}")
   if k.shape[0] != b:
     raise ValueError(f"k has batch {k.shape[0]} (shape {tuple(k.shape)}) but q has batch {b} "
@@ -136,27 +137,27 @@ def tree_attention_reference(q, k, v, lengths, tree_mask, *, sm_scale=None):
 @functools.partial(jax.jit, static_argnames=("sm_scale",))
 def _reference(q, k, v, lengths, tree_mask, *, sm_scale):
   b, p, n, h = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  kv_heads, s = k.shape[1], k.shape[2]
   empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
   if empty or s == 0:
     raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
-                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{tuple(k.shape)} [B, K, S, H]) need non-empty dimensions; got "
                      f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, s - p)
   rel = jnp.arange(s, dtype=jnp.int32)[None, :] - lengths[:, None]       # [B, S] tree index
   idx = jnp.broadcast_to(jnp.clip(rel, 0, p - 1)[:, None, :], (b, p, s))
   tree_vis = jnp.take_along_axis(tree_mask, idx, axis=2)                 # [B, P, S]
   visible = (rel < 0)[:, None, :] | (((rel >= 0) & (rel < p))[:, None, :] & tree_vis)
-  written = (rel < p)[:, :, None, None]                                  # [B, S, 1, 1]
+  written = (rel < p)[:, None, :, None]                                  # [B, 1, S, 1]
   kf = jnp.where(written, k, 0).astype(jnp.float32)
   vf = jnp.where(written, v, 0).astype(jnp.float32)
   qf = q.astype(jnp.float32).reshape(b, p, kv_heads, n // kv_heads, h)
-  scores = jnp.einsum("BPKGH,BSKH->BKGPS", qf, kf, precision=lax.Precision.HIGHEST) * sm_scale
+  scores = jnp.einsum("BPKGH,BKSH->BKGPS", qf, kf, precision=lax.Precision.HIGHEST) * sm_scale
   scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
   m = scores.max(axis=-1, keepdims=True)
   probs = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))          # [B, K, G, P, S]
   denom = probs.sum(axis=-1)                                             # [B, K, G, P]
-  out = jnp.einsum("BKGPS,BSKH->BPKGH", probs, vf, precision=lax.Precision.HIGHEST)
+  out = jnp.einsum("BKGPS,BKSH->BPKGH", probs, vf, precision=lax.Precision.HIGHEST)
   denom = jnp.where(denom == 0, 1.0, denom).transpose(0, 3, 1, 2)[..., None]
   return (out / denom).reshape(b, p, n, h).astype(q.dtype)
 
@@ -241,9 +242,9 @@ def tree_attention(q, k, v, lengths, tree_mask, *, sm_scale=None, interpret: boo
 
   Args:
     q: ``[B, P, N, H]`` queries; float32, bfloat16 or float16.
-    k: ``[B, S, K, H]`` key cache with the tree keys at ``lengths[b] .. lengths[b] + P - 1``;
+    k: ``[B, K, S, H]`` key cache with the tree keys at ``lengths[b] .. lengths[b] + P - 1``;
       slots past ``lengths[b] + P`` are ignored (they may hold NaN/Inf). ``N % K == 0``.
-    v: ``[B, S, K, H]`` value cache, same layout.
+    v: ``[B, K, S, H]`` value cache, same layout.
     lengths: ``[B]`` integer committed prefix lengths, ``0 <= lengths[b] <= S - P`` (clipped to
       that range).
     tree_mask: ``[B, P, P]`` bool; query ``i`` sees tree key ``j`` iff ``tree_mask[b, i, j]``.
@@ -277,18 +278,18 @@ def tree_attention(q, k, v, lengths, tree_mask, *, sm_scale=None, interpret: boo
 def _tree_attention(q, k, v, lengths, tree_mask, *, sm_scale, interpret, block_s, block_m,
                     num_splits, num_warps, num_stages):
   b, p, n, h = q.shape
-  s, kv_heads = k.shape[1], k.shape[2]
+  kv_heads, s = k.shape[1], k.shape[2]
   empty = [f"{d}={x}" for d, x in zip("BPNH", q.shape) if x == 0]
   if empty or s == 0:
     raise ValueError(f"q (shape {tuple(q.shape)} [B, P, N, H]) and k (shape "
-                     f"{tuple(k.shape)} [B, S, K, H]) need non-empty dimensions; got "
+                     f"{tuple(k.shape)} [B, K, S, H]) need non-empty dimensions; got "
                      f"{', '.join(empty + (['S=0'] if s == 0 else []))}")
   g = n // kv_heads
   lengths = jnp.clip(lengths.astype(jnp.int32), 0, s - p)
 
   # --- Step 1: tree keys/values out of the cache, before any padding ---
-  take = jax.vmap(lambda x, start: lax.dynamic_slice_in_dim(x, start, p, axis=0))
-  kt, vt = take(k, lengths), take(v, lengths)                            # [B, P, K, H]
+  take = jax.vmap(lambda x, start: lax.dynamic_slice_in_dim(x, start, p, axis=1))
+  kt, vt = take(k, lengths), take(v, lengths)                            # [B, K, P, H]
 
   # --- Step 2: pad to Triton tile sizes (powers of two >= 16) ---
   hp = max(_MIN_TILE, _next_pow2(h))
@@ -302,11 +303,11 @@ def _tree_attention(q, k, v, lengths, tree_mask, *, sm_scale, interpret, block_s
     k = jnp.pad(k, ((0, 0), (0, 0), (0, 0), (0, hp - h)))
     v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, hp - h)))
   if s < _MIN_TILE:
-    k = jnp.pad(k, ((0, 0), (0, _MIN_TILE - s), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, _MIN_TILE - s), (0, 0), (0, 0)))
-  s_in = k.shape[1]
-  kt = jnp.pad(kt, ((0, 0), (0, pp - p), (0, 0), (0, hp - h)))
-  vt = jnp.pad(vt, ((0, 0), (0, pp - p), (0, 0), (0, hp - h)))
+    k = jnp.pad(k, ((0, 0), (0, 0), (0, _MIN_TILE - s), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, 0), (0, _MIN_TILE - s), (0, 0)))
+  s_in = k.shape[2]
+  kt = jnp.pad(kt, ((0, 0), (0, 0), (0, pp - p), (0, hp - h)))
+  vt = jnp.pad(vt, ((0, 0), (0, 0), (0, pp - p), (0, hp - h)))
   qg = q.reshape(b, p, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, rows, h)
   qg = jnp.pad(qg, ((0, 0), (0, 0), (0, mp - rows), (0, hp - h)))        # [B, K, Mp, Hp]
   tmask = jnp.repeat(tree_mask, g, axis=1).astype(jnp.int32)             # [B, P*G, P]
@@ -324,8 +325,8 @@ def _tree_attention(q, k, v, lengths, tree_mask, *, sm_scale, interpret, block_s
   # --- Step 4: the kernel; grid (m block, split, kv head, row) ---
   kernel = functools.partial(_tree_attention_kernel, sm_scale=sm_scale, block_s=block_s,
                              chunk=chunk)
-  cache_spec = pl.BlockSpec((None, s_in, None, hp), lambda mi, j, kh, bi: (bi, 0, kh, 0))
-  tree_spec = pl.BlockSpec((None, pp, None, hp), lambda mi, j, kh, bi: (bi, 0, kh, 0))
+  cache_spec = pl.BlockSpec((None, None, s_in, hp), lambda mi, j, kh, bi: (bi, kh, 0, 0))
+  tree_spec = pl.BlockSpec((None, None, pp, hp), lambda mi, j, kh, bi: (bi, kh, 0, 0))
   part_shape = (b, kv_heads, num_splits, mp)
   o, m, l = pl.pallas_call(
       kernel,

@@ -240,8 +240,8 @@ def test_tree_extend_matches_full_forward_of_each_branch():
   mask = engine_helpers.ancestor_mask(parent)
   with jax.set_mesh(model.mesh):
     cache = model.allocate_cache(1, 32, fill=np.nan)  # never rely on zeroed memory
-  assert cache.k.shape == (CFG.num_hidden_layers, 1, 32, 1, CFG.kv_lora_rank)
-  assert cache.v.shape == (CFG.num_hidden_layers, 1, 32, 1, CFG.qk_rope_head_dim)
+  assert cache.k.shape == (CFG.num_hidden_layers, 1, 1, 32, CFG.kv_lora_rank)
+  assert cache.v.shape == (CFG.num_hidden_layers, 1, 1, 32, CFG.qk_rope_head_dim)
   t = len(prefix)
   _, _, cache = _run(model, jnp.asarray(prefix[None]), jnp.arange(t)[None], cache,
                      jnp.tril(jnp.ones((1, t, t), bool)), capture)

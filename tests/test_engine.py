@@ -349,8 +349,8 @@ def test_chain_fast_path_builds_the_general_trees_chain():
 
 def _commit_scatters(closed_jaxpr, num_layers: int) -> int:
   """Scatters in ``closed_jaxpr`` (nested jaxprs included) whose updates cover every layer of
-  the stacked ``[L, B, S, K, H]`` cache at once: the commit's moves (a layer's own write
-  scatters ``[B, T, K, H]``)."""
+  the stacked ``[L, B, K, S, H]`` cache at once: the commit's moves, ``[B, W, L, K, H]`` (a
+  layer's own write scatters ``[B, T, K, H]``)."""
   import jax
 
   def walk(jaxpr):
@@ -358,7 +358,7 @@ def _commit_scatters(closed_jaxpr, num_layers: int) -> int:
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "scatter":
         upd = eqn.invars[2].aval
-        n += upd.ndim == 5 and upd.shape[0] == num_layers
+        n += upd.ndim == 5 and upd.shape[2] == num_layers
       for p in eqn.params.values():
         for sub in (p if isinstance(p, (list, tuple)) else [p]):
           if isinstance(sub, jax.extend.core.ClosedJaxpr):
@@ -420,4 +420,17 @@ def test_chain_commit_moves_no_cache_slots():
   assert acc > 0 and int(c.new_m[0]) == m + acc + 1
   n = m + acc + 1
   for got, want in ((c.target_cache.k, moved.k), (c.target_cache.v, moved.v)):
-    np.testing.assert_array_equal(np.asarray(got)[:, :, :n], np.asarray(want)[:, :, :n])
+    np.testing.assert_array_equal(np.asarray(got)[:, :, :, :n], np.asarray(want)[:, :, :, :n])
+
+
+def test_bfloat16_pair_decodes_a_batch():
+  """A bfloat16 target and drafter decode a batch of two rows end to end (speculative and
+  autoregressive): every attention of the programs takes bfloat16 slabs of the cache."""
+  import jax.numpy as jnp
+  tgt = eagle3jax.init_target(h.CFG, dtype=jnp.bfloat16, seed=0, std=0.1)
+  cfg = eagle3jax.DrafterConfig.for_target(tgt.config, h.CAPTURE)
+  dr = eagle3jax.init_drafter(cfg, target=tgt, seed=1, std=0.1)
+  prompts = [[5, 7, 9, 11], [3, 4]]
+  for drafter in (dr, None):
+    out = eagle3jax.generate(tgt, drafter, prompts, max_new_tokens=6, eos_ids=[])
+    assert [len(t) for t in out.tokens] == [6, 6]

@@ -128,7 +128,7 @@ def test_row_sharded_cache_updates_stay_on_their_devices():
   from eagle3jax.kv_cache import KVCache, LayerKV
   rng = np.random.default_rng(5)
   l, b, s, k, h, t = 3, 4, 16, 4, 8, 5
-  buf = rng.normal(size=(l, b, s, k, h)).astype(np.float32)
+  buf = rng.normal(size=(l, b, k, s, h)).astype(np.float32)                # [L, B, K, S, H]
   new = rng.normal(size=(b, t, k, h)).astype(np.float32)
   start = np.array([0, 3, 7, 11], np.int32)
   path = np.array([[0, 2, 3, 0, 0], [0, 1, 0, 0, 0], [0, 4, 2, 1, 0], [0, 3, 4, 2, 1]],
@@ -145,15 +145,23 @@ def test_row_sharded_cache_updates_stay_on_their_devices():
   def plain(buf, new, start):
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
     slots = start[:, None] + jnp.arange(t)[None, :]
-    return buf.at[1, rows, slots].set(new, mode="drop", unique_indices=True,
-                                      out_sharding=jax.typeof(buf).sharding)
+    return buf.at[1, rows, :, slots].set(new, mode="drop", unique_indices=True,
+                                         out_sharding=jax.typeof(buf).sharding)
 
   want_write = jax.jit(write)(buf, new, start)
+  # The write itself, against numpy: row r's token j lands at slot start[r] + j of layer 1, in
+  # every head; nothing else moves.
+  expect = buf.copy()
+  for r in range(b):
+    for j in range(t):
+      if start[r] + j < s:
+        expect[1, r, :, start[r] + j] = new[r, j]
+  np.testing.assert_array_equal(np.asarray(want_write), expect)
   want_commit = jax.jit(commit)(buf, buf * 2, start, path, new_m)
   mesh = eagle3jax.make_mesh(2, 4)
   with jax.set_mesh(mesh):
     put = lambda x, *spec: jax.device_put(x, jax.NamedSharding(mesh, P(*spec)))  # noqa: E731
-    dbuf = put(buf, None, "data", None, "tensor", None)
+    dbuf = put(buf, None, "data", "tensor", None, None)
     dnew = put(new, "data", None, "tensor", None)
     dstart, dpath, dm = put(start, "data"), put(path, "data", None), put(new_m, "data")
     assert _all_gathers(plain, dbuf, dnew, dstart)
@@ -161,7 +169,7 @@ def test_row_sharded_cache_updates_stay_on_their_devices():
     assert _all_gathers(commit, dbuf, dbuf * 2, dstart, dpath, dm) == []
     got_write = jax.jit(write)(dbuf, dnew, dstart)
     got_commit = jax.jit(commit)(dbuf, dbuf * 2, dstart, dpath, dm)
-  assert got_write.sharding.spec == P(None, "data", None, "tensor", None)
+  assert got_write.sharding.spec == P(None, "data", "tensor", None, None)
   np.testing.assert_array_equal(np.asarray(got_write), np.asarray(want_write))
   for got, want in zip(got_commit, want_commit):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -109,12 +109,16 @@ def test_rejection_sampling_edge_cases():
 def test_kv_commit_moves_accepted_path_contiguously():
   # One layer, one row, committed length 3, tree of 5 nodes at slots 3..7.
   s = 10
-  k = np.full((1, s, 1, 1), np.nan, np.float32)
-  k[0, :3, 0, 0] = [100, 101, 102]
-  k[0, 3:8, 0, 0] = [0, 1, 2, 3, 4]       # node i's key is i
+  k = np.full((1, 2, s, 1), np.nan, np.float32)  # [B, K, S, H], two heads
+  k[0, :, :3, 0] = [100, 101, 102]
+  k[0, :, 3:8, 0] = [0, 1, 2, 3, 4]       # node i's key is i
+  k[0, 1] += 1000                          # head 1's keys differ from head 0's
   cache = KVCache(jnp.asarray(k)[None], jnp.asarray(k * 2)[None], jnp.array([3]))
   path = jnp.array([[0, 2, 4]])            # root -> b -> e
   out = engine._commit_cache(cache, path, jnp.array([6]))
-  np.testing.assert_array_equal(np.asarray(out.k[0])[0, :6, 0, 0], [100, 101, 102, 0, 2, 4])
-  np.testing.assert_array_equal(np.asarray(out.v[0])[0, :6, 0, 0], [200, 202, 204, 0, 4, 8])
+  for head, off in ((0, 0), (1, 1000)):
+    np.testing.assert_array_equal(np.asarray(out.k[0])[0, head, :6, 0],
+                                  np.array([100, 101, 102, 0, 2, 4]) + off)
+    np.testing.assert_array_equal(np.asarray(out.v[0])[0, head, :6, 0],
+                                  2 * (np.array([100, 101, 102, 0, 2, 4]) + off))
   assert int(out.lengths[0]) == 6

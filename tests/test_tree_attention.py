@@ -24,7 +24,8 @@ def random_tree_mask(rng, batch: int, p: int) -> np.ndarray:
 
 
 def make_inputs(seed, b, p, s, n, k, h, dtype, *, fill=np.nan, lengths=None):
-  """Random q/k/v with ragged ``lengths`` (0, S - P and random) and ``fill`` past lengths + P."""
+  """Random q ``[B, P, N, H]`` and k/v caches ``[B, K, S, H]`` with ragged ``lengths`` (0, S - P
+  and random) and ``fill`` past lengths + P."""
   rng = np.random.default_rng(seed)
   q = rng.standard_normal((b, p, n, h), np.float32)
   kc = rng.standard_normal((b, s, k, h), np.float32)
@@ -36,6 +37,7 @@ def make_inputs(seed, b, p, s, n, k, h, dtype, *, fill=np.nan, lengths=None):
   for row in range(b):
     kc[row, lengths[row] + p:] = fill
     vc[row, lengths[row] + p:] = -fill
+  kc, vc = np.swapaxes(kc, 1, 2), np.swapaxes(vc, 1, 2)  # the cache's [B, K, S, H]
   return (jnp.asarray(q, dtype), jnp.asarray(kc, dtype), jnp.asarray(vc, dtype),
           jnp.asarray(lengths), jnp.asarray(random_tree_mask(rng, b, p)))
 
@@ -88,9 +90,9 @@ class _TreeAttentionCases:
       live = int(lengths[row]) + 1
       for head in range(n):
         kh = head // (n // k)
-        scores = np.asarray(kc[row, :live, kh]) @ np.asarray(q[row, 0, head]) / np.sqrt(h)
+        scores = np.asarray(kc[row, kh, :live]) @ np.asarray(q[row, 0, head]) / np.sqrt(h)
         w = np.exp(scores - scores.max())
-        expected[row, 0, head] = (w / w.sum()) @ np.asarray(vc[row, :live, kh])
+        expected[row, 0, head] = (w / w.sum()) @ np.asarray(vc[row, kh, :live])
     assert_close(out, expected, jnp.float32)
 
   def test_padded_head_dim_and_tiny_cache(self):
@@ -175,8 +177,8 @@ def test_reference_hand_worked():
   # Query 1 = [ln2, 0] sees k0, k1, k2: scores ln2, 0, ln2 -> exp: 2, 1, 2 (sum 5)
   #   -> out = (2*[1,0] + 1*[0,1] + 2*[5,5]) / 5 = [12/5, 11/5] = [2.4, 2.2].
   q = jnp.asarray([[[[0.0, 0.0]], [[np.log(2.0), 0.0]]]], jnp.float32)     # [1, 2, 1, 2]
-  k = jnp.asarray([[[[1.0, 0.0]], [[0.0, 1.0]], [[1.0, 1.0]], [[np.nan, np.nan]]]])
-  v = jnp.asarray([[[[1.0, 0.0]], [[0.0, 1.0]], [[5.0, 5.0]], [[np.nan, np.nan]]]])
+  k = jnp.asarray([[[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [np.nan, np.nan]]]])  # [1, 1, 4, 2]
+  v = jnp.asarray([[[[1.0, 0.0], [0.0, 1.0], [5.0, 5.0], [np.nan, np.nan]]]])
   mask = jnp.asarray([[[True, False], [True, True]]])
   out = tree_attention_reference(q, k, v, jnp.asarray([1], jnp.int32), mask, sm_scale=1.0)
   np.testing.assert_allclose(np.asarray(out)[0, :, 0], [[0.5, 0.5], [2.4, 2.2]], rtol=1e-6)
@@ -192,18 +194,19 @@ def _spec(shape, dtype=jnp.float32):
 
 
 def _good():
-  return dict(q=_spec((2, 3, 4, 16)), k=_spec((2, 10, 2, 16)), v=_spec((2, 10, 2, 16)),
+  return dict(q=_spec((2, 3, 4, 16)), k=_spec((2, 2, 10, 16)), v=_spec((2, 2, 10, 16)),
               lengths=_spec((2,), jnp.int32), tree_mask=_spec((2, 3, 3), jnp.bool_))
 
 
 BAD_INPUTS = [
     ("q", _spec((2, 3, 64)), r"q must have rank 4 \[B, P, N, H\], got shape \(2, 3, 64\)"),
-    ("k", _spec((2, 10, 32)), r"k must have rank 4 \[B, S, K, H\]"),
+    ("k", _spec((2, 10, 32)), r"k must have rank 4 \[B, K, S, H\]"),
     ("q", _spec((2, 3, 4, 16), jnp.int32), "q must have a floating dtype, got int32"),
-    ("v", _spec((2, 10, 2, 16), jnp.bfloat16), "q, k and v must share one dtype.*v bfloat16"),
-    ("v", _spec((2, 12, 2, 16)), r"v must have the shape of k \(2, 10, 2, 16\)"),
-    ("k", _spec((3, 10, 2, 16)), "k has batch 3"),
-    ("k", _spec((2, 10, 2, 8)), "k has head dim 8"),
+    ("v", _spec((2, 2, 10, 16), jnp.bfloat16), "q, k and v must share one dtype.*v bfloat16"),
+    ("v", _spec((2, 2, 12, 16)), r"v must have the shape of k \(2, 2, 10, 16\) \[B, K, S, H\]"),
+    ("k", _spec((3, 2, 10, 16)), "k has batch 3"),
+    ("k", _spec((2, 2, 10, 8)), "k has head dim 8"),
+    ("k", _spec((2, 3, 10, 16)), "q heads N=4 must be a multiple of k heads K=3"),
     ("q", _spec((2, 3, 5, 16)), "q heads N=5 must be a multiple of k heads K=2"),
     ("lengths", _spec((2, 1), jnp.int32), r"lengths must have shape \[B\] = \(2,\)"),
     ("lengths", _spec((2,), jnp.float32), "lengths must have an integer dtype, got float32"),
@@ -231,7 +234,7 @@ def test_validation_refuses_empty_dimensions(shape, message):
   inputs = _good()
   inputs["q"] = _spec(shape)
   b, _, _, h = shape
-  inputs["k"] = inputs["v"] = _spec((b, 10, 2 if shape[2] else 1, h))
+  inputs["k"] = inputs["v"] = _spec((b, 2 if shape[2] else 1, 10, h))
   inputs["lengths"] = _spec((b,), jnp.int32)
   inputs["tree_mask"] = _spec((b, shape[1], shape[1]), jnp.bool_)
   for fn in (tree_attention, tree_attention_reference):
@@ -241,8 +244,8 @@ def test_validation_refuses_empty_dimensions(shape, message):
 
 def test_validation_cache_smaller_than_tree():
   inputs = _good()
-  inputs["k"] = inputs["v"] = _spec((2, 2, 2, 16))
-  with pytest.raises(ValueError, match="k has 2 cache slots"):
+  inputs["k"] = inputs["v"] = _spec((2, 2, 1, 16))
+  with pytest.raises(ValueError, match="k has 1 cache slots"):
     validate_inputs(**inputs)
 
 
@@ -263,7 +266,7 @@ def test_kernel_refuses_trees_past_one_tile():
   prefill's prompt bucket: megabytes a tile on a GPU) is refused by name, before any tracing of
   the kernel; the reference takes any P."""
   p = MAX_TREE_TOKENS + 1
-  big = dict(q=_spec((1, p, 4, 16)), k=_spec((1, 2 * p, 2, 16)), v=_spec((1, 2 * p, 2, 16)),
+  big = dict(q=_spec((1, p, 4, 16)), k=_spec((1, 2, 2 * p, 16)), v=_spec((1, 2, 2 * p, 16)),
              lengths=_spec((1,), jnp.int32), tree_mask=_spec((1, p, p), jnp.bool_))
   message = f"P={p} tree tokens; the kernel takes at most {MAX_TREE_TOKENS}"
   with pytest.raises(ValueError, match=message):
@@ -311,3 +314,15 @@ def test_xla_path_gives_zeros_to_a_query_without_keys():
 def test_validation_accepts_tracers():
   out = jax.eval_shape(lambda *a: tree_attention(*a, interpret=True), *_good().values())
   assert out.shape == (2, 3, 4, 16) and out.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("b, t", [(1, 1), (2, 1), (3, 4), (8, 8), (2, 80)])
+def test_xla_path_in_bfloat16_over_batches(b, t):
+  """The XLA path in bfloat16 for a batch of rows: its value dot once came out as v contracted
+  over its slots on the left, which XLA:CPU's dot refuses in bfloat16 (an UNIMPLEMENTED error
+  from any batch of more than one row)."""
+  q, kc, vc, lengths, mask = make_inputs(40 + t, b, t, 96, 4, 2, 16, jnp.bfloat16)
+  out = attention.attend(q, kc, vc, lengths, mask, scale=0.25, impl="xla")
+  assert out.shape == (b, t, 4, 16) and out.dtype == jnp.bfloat16
+  assert_close(out, tree_attention_reference(q, kc, vc, lengths, mask, sm_scale=0.25),
+               jnp.bfloat16)

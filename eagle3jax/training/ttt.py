@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from eagle3jax import attention as attn_lib
+from eagle3jax import kv_cache as kv_lib
 from eagle3jax.layers import einsum
 from eagle3jax.sharding import (BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec,
                                 require_mesh, shard)
@@ -89,17 +90,20 @@ def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
     tokens: ``[B, T]`` ids whose embeddings are ``e``.
     hidden: ``[B, T, D]`` ``fc`` of features (step 0) or the previous step's ``a``.
     positions: ``[B, T]`` RoPE positions.
-    past_k, past_v: lists of ``[B, T, K, H]`` keys/values of the earlier steps (RoPE applied).
+    past_k, past_v: lists of ``[B, K, T, H]`` keys/values of the earlier steps (RoPE applied),
+      as this function returns them: slabs in the cache's layout (``eagle3jax.kv_cache``).
     mask: ``[T, W]`` bool over the concatenated keys ``past + [new]``, ``W = (len(past)+1)*T``.
 
   Returns:
-    ``(a [B, T, D], k [B, T, K, H], v [B, T, K, H])``: pre-norm output and this step's keys.
+    ``(a [B, T, D], k [B, K, T, H], v [B, K, T, H])``: pre-norm output and this step's keys
+    and values.
   """
   b, t = tokens.shape
   hidden, q, k, v = drafter.attention_inputs(tokens, hidden, positions)
-  k_all = jnp.concatenate(list(past_k) + [k], axis=1)                  # [B, W, K, H]
-  v_all = jnp.concatenate(list(past_v) + [v], axis=1)
-  w = k_all.shape[1]
+  k, v = kv_lib.as_slab(k), kv_lib.as_slab(v)
+  k_all = jnp.concatenate(list(past_k) + [k], axis=2)                  # [B, K, W, H]
+  v_all = jnp.concatenate(list(past_v) + [v], axis=2)
+  w = k_all.shape[2]
   if mask.shape != (t, w):
     raise ValueError(f"drafter_layer: mask shape {mask.shape} != ({t}, {w})")
   tree_mask = shard(jnp.broadcast_to(jnp.asarray(mask), (b, t, w)), (BATCH, SEQ, SEQ))
