@@ -97,22 +97,34 @@ def _materialize(factory, mesh: Mesh, fill: Fill, kv_repeat: int) -> nnx.Module:
 def _warn_replicated(flat, mesh: Mesh) -> None:
   """Warns when the mesh leaves weights whole on every device that the rules would split (a
   ``tensor`` size that does not divide the heads, MLP columns or vocabulary): tensor
-  parallelism the caller asked for that they would otherwise only meet as memory."""
+  parallelism the caller asked for that they would otherwise only meet as memory.
+
+  A quantized weight counts once, by its stored bytes: its values (INT4 packed, FP8) and those
+  of its scales that are left whole too. Scales alone never warn: their block counts are not
+  model dimensions, and a weight split while its scales are not costs little."""
   dims, nbytes, count = {}, 0, 0
-  for _, var in flat:
-    meta, value = var.get_metadata(), var.get_value()
-    part = quant.part_of(meta.get("init", "normal"))
-    if meta.get("axes") is None or (part is not None and part[1] == "scale"):
-      continue  # no axes: refused below; a scale's block counts are not model dimensions
-    found = undivided(meta["axes"], value.shape, mesh)
-    for name, dim, mesh_axis, size in found:
-      dims[(name, dim, mesh_axis, size)] = None
-    if found:
+  for unit in _units(flat):
+    found_any, scales = False, []
+    for j in unit:
+      meta, value = flat[j][1].get_metadata(), flat[j][1].get_value()
+      part = quant.part_of(meta.get("init", "normal"))
+      if meta.get("axes") is None:
+        continue  # refused by the caller, naming the parameter
+      found = undivided(meta["axes"], value.shape, mesh)
+      if part is not None and part[1] == "scale":
+        scales.append(value.size * np.dtype(value.dtype).itemsize if found else 0)
+        continue
+      for name, dim, mesh_axis, size in found:
+        dims[(name, dim, mesh_axis, size)] = None
+      if found:
+        found_any = True
+        nbytes += value.size * np.dtype(value.dtype).itemsize
+    if found_any:
       count += 1
-      nbytes += value.size * np.dtype(value.dtype).itemsize
+      nbytes += sum(scales)
   if dims:
     what = ", ".join(f"{name} ({dim}) over {axis}={size}" for name, dim, axis, size in dims)
-    warnings.warn(f"this mesh does not divide {what}: {count} weights ({nbytes / 2**20:.1f} "
+    warnings.warn(f"this mesh does not divide {what}: {count} weights ({nbytes / 2**20:.4g} "
                   "MiB) are replicated on every device instead of split. Use a mesh axis size "
                   "that divides them to shard them", stacklevel=checks.outside_stacklevel())
 

@@ -480,3 +480,23 @@ def test_compiled_forward_never_dequantizes_a_whole_stack(int4_target):
     for dt in ("f32", "bf16"):
       assert f"{dt}{dims(shape)}" not in hlo
       assert f"{dt}{dims(shape[1:])}" not in hlo
+
+
+def test_replication_warning_counts_an_int4_weight_with_its_scales():
+  """A vocabulary the tensor axis does not divide leaves the INT4 lm_head whole on every
+  device: the warning counts it once, by its stored bytes (packed values and the scales, which
+  are left whole too), beside the embedding."""
+  import re
+  qc = QuantizationConfig.from_hf(_ct(ignore=[]))
+  cfg = DeepseekConfig.tiny(num_hidden_layers=2, vocab_size=131)
+  with pytest.warns(UserWarning, match=r"does not divide vocab \(131\) over tensor=2: 2 "
+                                       r"weights") as record:
+    m = eagle3jax.init_deepseek(cfg, mesh=eagle3jax.make_mesh(1, 2), seed=0, std=0.1,
+                                quantization=qc)
+  (message,) = [str(w.message) for w in record if "does not divide" in str(w.message)]
+  mib = float(re.search(r"weights \(([0-9.e+-]+) MiB\)", message).group(1))
+  assert isinstance(m.lm_head, quant.QuantizedParam)
+  stored = (m.lm_head.values[...].nbytes + m.lm_head.scale[...].nbytes
+            + m.embed_tokens[...].nbytes)
+  assert m.lm_head.scale[...].nbytes > 2e-3 * stored  # the scales are not lost in rounding
+  assert mib == pytest.approx(stored / 2**20, rel=1e-3)
