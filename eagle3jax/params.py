@@ -124,7 +124,9 @@ def _warn_replicated(flat, mesh: Mesh) -> None:
       nbytes += sum(scales)
   if dims:
     what = ", ".join(f"{name} ({dim}) over {axis}={size}" for name, dim, axis, size in dims)
-    warnings.warn(f"this mesh does not divide {what}: {count} weights ({nbytes / 2**20:.4g} "
+    mib = nbytes / 2**20
+    amount = f"{mib:.1f}" if mib >= 1 else f"{mib:.4g}"  # a tiny model's weights are not 0.0
+    warnings.warn(f"this mesh does not divide {what}: {count} weights ({amount} "
                   "MiB) are replicated on every device instead of split. Use a mesh axis size "
                   "that divides them to shard them", stacklevel=checks.outside_stacklevel())
 

@@ -1,6 +1,7 @@
 """Times the tree attention Pallas kernel against XLA on verify-shaped problems.
 
-Three implementations of the same attention, each jitted and timed on identical inputs:
+Three implementations of the same attention, each jitted and timed on the same values (dpa on
+a copy in its own ``[B, S, K, H]`` layout, made before the timing):
 
 * ``kernel``: ``eagle3jax.kernels.tree_attention`` (Pallas, Triton on GPU).
 * ``xla``: the engine's XLA path (``eagle3jax.attention.attend(impl="xla")``, what it runs without

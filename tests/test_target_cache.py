@@ -94,7 +94,7 @@ def test_tree_extend_matches_full_forward_of_each_branch(model):
 
 
 def test_decode_loop_touches_the_stacked_cache_once_not_twice():
-  """Each layer writes only its new tokens into the stacked ``[L, B, S, K, H]`` cache
+  """Each layer writes only its new tokens into the stacked ``[L, B, K, S, H]`` cache
   (``kv_cache.LayerKV``). Copying the layer's slab out and setting it back whole, as before,
   made XLA move the whole stacked cache again per layer: its cost analysis counted twice the
   cache's bytes for one autoregressive step (20x slower steps at batch 128 on XLA:CPU)."""
