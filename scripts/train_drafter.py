@@ -46,6 +46,8 @@ _FIELD_HELP = {
     "align_topk": "step j takes no loss where an earlier step missed the target's token "
                   "(its top k); 0: every position",
     "head_init": "lm_head and final norm at step 0: random, or target (the target's rows)",
+    "cache_features": "compute the target's features of every sequence once and keep them in "
+                      "memory instead of on every step (same training; one process)",
 }
 
 
@@ -88,6 +90,11 @@ def build_parser(train_config_cls) -> argparse.ArgumentParser:
   distributed_flags(p)
   group = p.add_argument_group("training hyperparameters (TrainConfig fields)")
   for f in dataclasses.fields(train_config_cls):
+    if str(f.type) == "bool":
+      group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                         action=argparse.BooleanOptionalAction,
+                         help=f"{_FIELD_HELP.get(f.name, f.name)} (default {f.default})")
+      continue
     kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], None)
     if f.name == "draft_vocab_size":
       kind = int

@@ -365,6 +365,64 @@ def test_loss_falls_on_fixed_batch_and_embedding_stays_frozen(target, data):
                  for p, _ in nnx.to_flat_state(trainer.params))
 
 
+def test_feature_cache_holds_what_each_batch_would_compute(target):
+  # 7 sequences in batches of 4: the last batch is filled up and cut. Every row the cache
+  # gives back is what the per-batch forward computes for it, in the same layout.
+  rng = np.random.default_rng(3)
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(7)]
+  responses = [rng.integers(3, 131, 24).tolist() for _ in range(7)]
+  d = training.pack(prompts, responses, SEQ_LEN)
+  ids = np.arange(DRAFT_VOCAB) * 2
+  cache = training.FeatureCache(target, d, CAPTURE, ids, batch_size=4)
+  assert cache.nbytes == 7 * SEQ_LEN * 4 * (CAPTURE.width(target.config.hidden_size)
+                                            + DRAFT_VOCAB + 1)
+  assert cache.nbytes == training.feature_cache_bytes(7, SEQ_LEN, 3 * 64, DRAFT_VOCAB)
+  for idx in ([6, 0, 3, 5], [1, 2, 4, 6]):
+    got = cache.take(np.asarray(idx))
+    want = training.target_features(target, d.tokens[idx], CAPTURE, ids)
+    for name in ("aux", "draft_logits", "argmax"):
+      g, w = getattr(got, name), getattr(want, name)
+      assert g.sharding == w.sharding and g.dtype == w.dtype, name
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-6, atol=1e-6,
+                                 err_msg=name)
+
+
+def test_cached_features_train_as_computed_ones(target, data):
+  # Two trainers from one initialisation over 6 sequences in batches of 4 (so batches cross
+  # the epoch): the losses and parameters agree, with or without the cache.
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(3, 131, int(rng.integers(3, 8))).tolist() for _ in range(6)]
+  d = training.build_training_data(target, prompts, seq_len=SEQ_LEN, max_new_tokens=24)
+  runs = []
+  for cached in (False, True):
+    cfg = dataclasses.replace(CFG, cache_features=cached)
+    trainer = training.Trainer(target, _drafter(target, data[1]), d, cfg)
+    records = trainer.train(4, progress=False)
+    assert (trainer._cache is not None) == cached
+    runs.append(([r["loss"] for r in records], jax.device_get(trainer.params)))
+  np.testing.assert_allclose(runs[0][0], runs[1][0], rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(runs[0][1]), jax.tree.leaves(runs[1][1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_feature_cache_refuses_what_it_cannot_hold(target, data, monkeypatch):
+  _, d = data
+  with pytest.raises(ValueError, match=r"TrainConfig.cache_features='yes' must be True or "):
+    training.TrainConfig(cache_features="yes")
+  from eagle3jax.training import data as data_lib
+  monkeypatch.setattr(data_lib, "_available_memory", lambda: 2**16)
+  with pytest.raises(ValueError, match=r"cache_features would hold up to 0.0 GiB of target "
+                     r"features \(4 sequences x 32 tokens x \(192 capture values \+ 64 draft "
+                     r"logits\)\), more than half of the 0.0 GiB of memory free: set "
+                     r"cache_features=False"):
+    training.FeatureCache(target, d, CAPTURE, np.arange(DRAFT_VOCAB), batch_size=4)
+  monkeypatch.setattr(data_lib, "_available_memory", lambda: None)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  with pytest.raises(ValueError, match="multi-process run does not share: set "
+                                       "cache_features=False"):
+    training.FeatureCache(target, d, CAPTURE, np.arange(DRAFT_VOCAB), batch_size=4)
+
+
 def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   # 7 sequences in batches of 4: the checkpoint of step 3 sits mid-epoch (cursor 5), so a
   # resume that lost the data cursor would train on other batches.
@@ -544,6 +602,12 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
   refused(r"heldout_shape=\(3, 8, 8\): topk=8 exceeds the draft vocabulary of 4 tokens",
           heldout_prompts=prompts, heldout_every=2, heldout_shape=(3, 8, 8),
           config=dataclasses.replace(cfg, draft_vocab_size=4))
+  # A feature cache that would not fit was refused only at the first step.
+  from eagle3jax.training import data as data_lib
+  monkeypatch.setattr(data_lib, "_available_memory", lambda: 2**16)
+  refused(r"cache_features would hold up to 0.0 GiB of target features \(2 sequences x 32 "
+          r"tokens x \(192 capture values \+ 64 draft logits\)\)",
+          config=dataclasses.replace(cfg, cache_features=True))
   # An out_dir holding another model (the target's own folder, say) would be overwritten.
   target_dir = tmp_path / "target"
   target_dir.mkdir()
@@ -672,9 +736,16 @@ def test_script_config_and_flags(tmp_path):
   cfg_file.write_text('{"learning_rate": 0.01, "ttt_steps": 3}')
   args = mod.build_parser(training.TrainConfig).parse_args(
       ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--config", str(cfg_file),
-       "--ttt-steps", "5", "--b2", "0.99"])
+       "--ttt-steps", "5", "--b2", "0.99", "--cache-features"])
   cfg = mod._train_config(args, training.TrainConfig)
   assert (cfg.learning_rate, cfg.ttt_steps, cfg.b2) == (0.01, 5, 0.99)
+  assert cfg.cache_features is True
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--no-cache-features"])
+  assert mod._train_config(args, training.TrainConfig).cache_features is False
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p"])
+  assert mod._train_config(args, training.TrainConfig).cache_features is False
 
 
 def test_script_prompts_go_through_the_chat_template_as_decode_does(tmp_path):

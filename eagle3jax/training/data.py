@@ -222,20 +222,88 @@ def epoch_order(num_sequences: int, seed: int, epoch: int) -> np.ndarray:
   return np.random.default_rng([seed, epoch]).permutation(num_sequences)
 
 
-def next_batch(data: TrainingData, position: DataPosition, batch_size: int, seed: int
-               ) -> tuple[np.ndarray, np.ndarray, DataPosition]:
-  """The next ``batch_size`` sequences ``(tokens, loss_mask)`` and the advanced position.
+def batch_indices(num_sequences: int, position: DataPosition, batch_size: int, seed: int
+                  ) -> tuple[np.ndarray, DataPosition]:
+  """The indices of the next ``batch_size`` sequences and the advanced position.
 
   A batch that runs past the end of an epoch continues with the next epoch's permutation.
   """
   idx = []
   epoch, cursor = position.epoch, position.cursor
   while len(idx) < batch_size:
-    order = epoch_order(data.num_sequences, seed, epoch)
+    order = epoch_order(num_sequences, seed, epoch)
     take = order[cursor:cursor + batch_size - len(idx)]
     idx.extend(take.tolist())
     cursor += len(take)
-    if cursor >= data.num_sequences:
+    if cursor >= num_sequences:
       epoch, cursor = epoch + 1, 0
-  idx = np.asarray(idx)
-  return data.tokens[idx], data.loss_mask[idx], DataPosition(epoch, cursor)
+  return np.asarray(idx), DataPosition(epoch, cursor)
+
+
+def _available_memory() -> int | None:
+  """Bytes of physical memory free now (Linux), or None where the OS does not say."""
+  try:
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+  except (ValueError, OSError, AttributeError):
+    return None
+
+
+def feature_cache_bytes(num_sequences: int, seq_len: int, capture_width: int,
+                        draft_vocab_size: int) -> int:
+  """Upper bound of a ``FeatureCache``'s host memory: float32 captures and draft logits and
+  the int32 argmax of every token."""
+  return num_sequences * seq_len * 4 * (capture_width + draft_vocab_size + 1)
+
+
+def check_feature_cache(num_sequences: int, seq_len: int, capture_width: int,
+                        draft_vocab_size: int) -> None:
+  """Refuses a ``FeatureCache`` this process could not hold: in a multi-process run (one
+  host's copy), or at more than half of the memory free now."""
+  if jax.process_count() > 1:
+    raise ValueError("TrainConfig.cache_features keeps every sequence's features in one "
+                     "host's memory, which a multi-process run does not share: set "
+                     "cache_features=False (each step then computes its batch's features)")
+  need = feature_cache_bytes(num_sequences, seq_len, capture_width, draft_vocab_size)
+  free = _available_memory()
+  if free is not None and need > free // 2:
+    raise ValueError(
+        f"TrainConfig.cache_features would hold up to {need / 2**30:.1f} GiB of target "
+        f"features ({num_sequences} sequences x {seq_len} tokens x ({capture_width} capture "
+        f"values + {draft_vocab_size} draft logits)), more than half of the "
+        f"{free / 2**30:.1f} GiB of memory free: set cache_features=False, or train on fewer "
+        "or shorter sequences")
+
+
+class FeatureCache:
+  """The target's features of every training sequence, computed once and kept in host memory.
+
+  Without it the trainer runs the target's forward on every batch, so every epoch pays for it
+  again (at the demo's size a fifth of a training step). Built with the program
+  ``target_features`` runs, ``batch_size`` sequences at a time in data order; ``take(idx)``
+  places a batch's rows with the shardings that program gives its outputs, so the train step
+  sees the arrays it would otherwise compute, equal to float32 rounding (a row computed beside
+  other rows can round differently). One process only, and at most half the free memory
+  (``check_feature_cache``).
+  """
+
+  def __init__(self, target, data: TrainingData, capture: CaptureSpec, draft_ids,
+               batch_size: int):
+    m, t = data.tokens.shape
+    check_feature_cache(m, t, capture.width(target.config.hidden_size), len(draft_ids))
+    arrays = shardings = None
+    for lo in range(0, m, batch_size):
+      rows = np.arange(lo, lo + batch_size) % m   # the last batch is filled up, then cut
+      part = target_features(target, data.tokens[rows], capture, draft_ids)
+      if arrays is None:
+        shardings = jax.tree.map(lambda x: x.sharding, part)
+        arrays = jax.tree.map(lambda x: np.empty((m,) + x.shape[1:], x.dtype), part)
+      keep = min(batch_size, m - lo)
+      for dst, x in zip(jax.tree.leaves(arrays), jax.tree.leaves(part)):
+        dst[lo:lo + keep] = np.asarray(jax.device_get(x))[:keep]
+    self._arrays, self._shardings = arrays, shardings
+    self.nbytes = sum(a.nbytes for a in jax.tree.leaves(arrays))
+
+  def take(self, idx: np.ndarray) -> TargetFeatures:
+    """The features of sequences ``idx [B]``, placed as ``target_features`` places them."""
+    return jax.tree.map(lambda a, s: jax.device_put(a[np.asarray(idx)], s), self._arrays,
+                        self._shardings)
