@@ -8,7 +8,10 @@ steps: ``DemoConfig``) and compiles two complete optimiser steps that differ onl
 cross-entropy have written-out backwards): ``trainer.optimizer_step`` with ``reference`` on
 and off. From the same initial drafter, each run times them alternately, ``repeats`` times
 each, on the same batch, and keeps the medians and their ratio; the
-target's feature forward, which every training step also pays, is timed beside them.
+target's feature forward, which every training step without a feature cache also pays, is
+timed beside them. So are the two steps a ``Trainer`` takes with ``ttt_loss``: computing the
+batch's features first (``cache_features=False``) or taking them from a
+``training.FeatureCache`` (``cache_features=True``, the demo's setting).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
   from eagle3jax.stack import default_layer_loop  # pylint: disable=import-outside-toplevel
   from eagle3jax.text import TextCodec  # pylint: disable=import-outside-toplevel
   from eagle3jax.training import (TRAINABLE,  # pylint: disable=import-outside-toplevel
-                                  build_draft_vocab, build_training_data, loss_start,
-                                  target_features)
+                                  FeatureCache, build_draft_vocab, build_training_data,
+                                  loss_start, target_features)
   from eagle3jax.training.trainer import (make_optimizer,  # pylint: disable=import-outside-toplevel
                                           optimizer_step, step_config)
 
@@ -75,13 +78,19 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       return jax.block_until_ready(target_features(target, data.tokens, capture, draft_ids))
 
     feats = features()
-    # Each loss trains its own copy (the optimiser state is donated), from the same start.
-    state = {kind: (params, make_optimizer(cfg).init(params)) for kind in ("plain", "ttt_loss")}
+    cache, rows = FeatureCache(target, data, capture, draft_ids, batch), np.arange(batch)
+    # Each kind trains its own copy (the optimiser state is donated), from the same start:
+    # the two losses on fixed features, and ttt_loss as a Trainer steps, computing its
+    # features or taking them from the cache.
+    kinds = ("plain", "ttt_loss", "computed", "cached")
+    state = {kind: (params, make_optimizer(cfg).init(params)) for kind in kinds}
     static = step_config(cfg)
 
     def step(kind):
       p, o = state[kind]
-      p, o, loss, _ = optimizer_step(graphdef, static, p, rest, o, feats, tokens,
+      f = {"computed": lambda: target_features(target, data.tokens, capture, draft_ids),
+           "cached": lambda: cache.take(rows)}.get(kind, lambda: feats)()
+      p, o, loss, _ = optimizer_step(graphdef, static, p, rest, o, f, tokens,
                                      mask, start, reference=kind == "plain")
       state[kind] = (p, o)
       return loss
@@ -94,9 +103,9 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       jax.block_until_ready(fn())
       return 1e3 * (time.perf_counter() - t0)
 
-    per_run = {"plain": [], "ttt_loss": [], "ratio": [], "features": []}
+    per_run = {k: [] for k in kinds + ("ratio", "features", "cache_ratio")}
     for run in range(runs):
-      got = {"plain": [], "ttt_loss": [], "features": []}
+      got = {k: [] for k in kinds + ("features",)}
       for _ in range(repeats):
         for kind, fn in steps.items():
           got[kind].append(timed(fn))
@@ -105,10 +114,14 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       for k, v in med.items():
         per_run[k].append(v)
       per_run["ratio"].append(med["plain"] / med["ttt_loss"])
+      per_run["cache_ratio"].append(med["computed"] / med["cached"])
       log(f"run {run + 1}/{runs}: plain {med['plain']:.0f} ms, ttt_loss {med['ttt_loss']:.0f} "
-          f"ms ({med['plain'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms")
+          f"ms ({med['plain'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms; "
+          f"trainer step {med['computed']:.0f} ms computing its features, "
+          f"{med['cached']:.0f} ms from the cache ({med['computed'] / med['cached']:.2f}x)")
   return {"machine": machine(), "batch": cfg.batch_size, "seq_len": seq_len,
           "ttt_steps": cfg.ttt_steps, "loss_start": start, "draft_vocab": vocab.size,
+          "drafter_heads": dcfg.num_attention_heads, "head_dim": dcfg.head_dim,
           "loss": losses, **{k: spread(v) for k, v in per_run.items()}}
 
 
@@ -128,4 +141,12 @@ def markdown(result: dict) -> str:
       "|---|---|---|---|",
       f"| {cell(result['plain'])} | {cell(result['ttt_loss'])} | "
       f"{cell(result['ratio'], 'x', 2)} | {cell(result['features'])} |",
+      "",
+      f"Trainer step with `ttt_loss` ({result.get('drafter_heads', '?')} heads of "
+      f"{result.get('head_dim', '?')}):",
+      "",
+      "| computing its features | from the feature cache | speedup |",
+      "|---|---|---|",
+      f"| {cell(result['computed'])} | {cell(result['cached'])} | "
+      f"{cell(result['cache_ratio'], 'x', 2)} |",
   ])

@@ -161,12 +161,12 @@ class DemoConfig:
   draft_prompts: int = 4096
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 1600
+  draft_steps: int = 2000
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 7
   draft_intermediate_size: int = 0
-  draft_num_heads: int = 0
+  draft_num_heads: int = 16
   draft_head_dim: int = 0
   draft_head_init: str = "random"
   draft_label_temperature: float = 0.0
@@ -441,7 +441,7 @@ def drafter_train_config(cfg: DemoConfig):
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
                      step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init,
-                     align_topk=cfg.draft_align_topk)
+                     align_topk=cfg.draft_align_topk, cache_features=True)
 
 
 def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:
@@ -456,16 +456,18 @@ def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:
 
 def drafter_overrides(cfg: DemoConfig) -> dict | None:
   """The drafter's ``DrafterConfig`` fields that differ from one target layer's: a wider MLP
-  (``draft_intermediate_size``), more attention heads (``draft_num_heads`` query and as many
-  key/value heads) and their width (``draft_head_dim``; 0 keeps the target's,
-  ``hidden_size // num_heads``)."""
+  (``draft_intermediate_size``), other attention heads (``draft_num_heads`` query and as many
+  key/value heads; 0 keeps the target's) and their width (``draft_head_dim``; 0 splits the
+  hidden size over the heads, ``hidden_size // heads``, as the official EAGLE-3 code derives
+  it). The defaults give 16 heads of 16 over the demo's hidden size of 256."""
   out = {}
   if cfg.draft_intermediate_size:
     out["intermediate_size"] = cfg.draft_intermediate_size
   if cfg.draft_num_heads:
     out.update(num_attention_heads=cfg.draft_num_heads, num_key_value_heads=cfg.draft_num_heads)
   if cfg.draft_num_heads or cfg.draft_head_dim:
-    out["head_dim"] = cfg.draft_head_dim or cfg.hidden_size // cfg.num_heads
+    out["head_dim"] = cfg.draft_head_dim or cfg.hidden_size // (cfg.draft_num_heads
+                                                                or cfg.num_heads)
   return out or None
 
 

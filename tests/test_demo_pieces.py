@@ -141,12 +141,17 @@ def test_drafter_train_config_carries_the_demo_recipe():
 
 
 def test_drafter_overrides_carry_the_demo_drafter_shape():
-  # The drafter's shape flags reach its DrafterConfig overrides; the defaults override nothing
-  # (the drafter is one target layer).
-  assert demo.drafter_overrides(demo.DemoConfig()) is None
+  # The drafter's shape flags reach its DrafterConfig overrides. The defaults split the target
+  # layer's width into 16 heads of 16 (the shipped drafter); 0 keeps one target layer's shape.
   d = demo.DemoConfig()
+  assert demo.drafter_overrides(d) == {"num_attention_heads": 16, "num_key_value_heads": 16,
+                                       "head_dim": 16}
+  # A head width of 0 splits the hidden size over the heads, as the official code derives it.
+  assert demo.drafter_overrides(dataclasses.replace(d, hidden_size=128))["head_dim"] == 8
+  d = dataclasses.replace(d, draft_num_heads=0)
+  assert demo.drafter_overrides(d) is None
   assert demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=8)) == {
-      "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": d.hidden_size // d.num_heads}
+      "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": d.hidden_size // 8}
   assert demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=8, draft_head_dim=32,
                                                     draft_intermediate_size=1408)) == {
       "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32,
