@@ -33,8 +33,10 @@ from eagle3jax.bench import machine, spread
 def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
                      batch: int | None = None, response_len: int | None = None,
                      log=print) -> dict:
-  """Milliseconds of one training step with each loss, their ratio, and the feature forward
-  (medians and ranges over ``runs``; each run's figure is the median of ``repeats``).
+  """Milliseconds of one training step with each loss, their ratio, the feature forward, and
+  a trainer's ``ttt_loss`` step computing its features (``computed``) or taking them from a
+  ``FeatureCache`` (``cached``) with their ratio (``cache_ratio``); medians and ranges over
+  ``runs``, each run's figure the median of ``repeats``.
   ``batch`` (at most 8, the held-out prompts) and ``response_len`` default to the demo's."""
   import eagle3jax  # pylint: disable=import-outside-toplevel
   from eagle3jax import demo  # pylint: disable=import-outside-toplevel

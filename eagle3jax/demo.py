@@ -173,6 +173,7 @@ class DemoConfig:
   draft_step_decay: float = 0.8
   draft_align_topk: int = 0
   draft_capture: str = ""
+  draft_cache_features: bool = True
   heldout_every: int = 100
   seed: int = 0
 
@@ -197,6 +198,9 @@ class DemoConfig:
       if length > self.max_position_embeddings:
         raise ValueError(f"DemoConfig {name}={length} exceeds max_position_embeddings="
                          f"{self.max_position_embeddings}")
+    if not isinstance(self.draft_cache_features, bool):
+      raise ValueError(f"DemoConfig draft_cache_features={self.draft_cache_features!r} must be "
+                       "True or False")
     lm_train_config(self)  # learning rate, steps, warmup
 
 
@@ -441,7 +445,7 @@ def drafter_train_config(cfg: DemoConfig):
                      checkpoint_every=max(50, cfg.draft_steps // 4), seed=cfg.seed,
                      ttt_steps=cfg.ttt_steps, label_temperature=cfg.draft_label_temperature,
                      step_decay=cfg.draft_step_decay, head_init=cfg.draft_head_init,
-                     align_topk=cfg.draft_align_topk, cache_features=True)
+                     align_topk=cfg.draft_align_topk, cache_features=cfg.draft_cache_features)
 
 
 def drafter_capture(cfg: DemoConfig) -> tuple[int, ...] | None:
@@ -466,8 +470,12 @@ def drafter_overrides(cfg: DemoConfig) -> dict | None:
   if cfg.draft_num_heads:
     out.update(num_attention_heads=cfg.draft_num_heads, num_key_value_heads=cfg.draft_num_heads)
   if cfg.draft_num_heads or cfg.draft_head_dim:
-    out["head_dim"] = cfg.draft_head_dim or cfg.hidden_size // (cfg.draft_num_heads
-                                                                or cfg.num_heads)
+    heads = cfg.draft_num_heads or cfg.num_heads
+    if not cfg.draft_head_dim and cfg.hidden_size % heads:
+      raise ValueError(f"--draft-num-heads {heads} does not divide hidden_size="
+                       f"{cfg.hidden_size}, so the heads cannot split it (--draft-head-dim 0); "
+                       "choose a divisor, or give the head width with --draft-head-dim")
+    out["head_dim"] = cfg.draft_head_dim or cfg.hidden_size // heads
   return out or None
 
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Drafter training step: the TTT loss written plainly against ttt_loss, side by side."""
+"""Drafter training step: the TTT loss written plainly against ttt_loss, and the trainer's step
+computing the target's features against taking them from the feature cache, side by side."""
 
 import argparse
 import os

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Rebuild the shipped demo (models/default) from scratch: corpus manifest, tokenizer, target,
 drafter. Takes about 1 hour 25 minutes on a 2-core CPU with the defaults (the target about 42
-minutes; the drafter about 40: regeneration about 7, the feature cache 2, training about 28)."""
+minutes; the drafter about 40: regeneration about 7, the feature cache 2, training about 29)."""
 
 import argparse
 import dataclasses
@@ -28,6 +28,10 @@ def main() -> int:
                  help="with --drafter-only: keep the drafter's data and checkpoints here "
                       "(a run given the same folder resumes)")
   for field in dataclasses.fields(DemoConfig):
+    if isinstance(field.default, bool):  # --draft-cache-features / --no-draft-cache-features
+      p.add_argument(f"--{field.name.replace('_', '-')}", action=argparse.BooleanOptionalAction,
+                     default=field.default, help=f"DemoConfig.{field.name}")
+      continue
     p.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default),
                    default=field.default, help=f"DemoConfig.{field.name}")
   args = p.parse_args()

@@ -138,6 +138,12 @@ def test_drafter_train_config_carries_the_demo_recipe():
   assert (t.label_temperature, t.step_decay, t.seq_len) == (0.5, 1.0, 48)
   assert (t.draft_vocab_size, t.max_new_tokens, t.temperature, t.seed) == (512, 32, 0.0, 3)
   assert demo.drafter_train_config(demo.DemoConfig()).step_decay == 0.8
+  # The demo computes the target's features once (README); --no-draft-cache-features not.
+  assert demo.drafter_train_config(demo.DemoConfig()).cache_features is True
+  assert demo.drafter_train_config(
+      demo.DemoConfig(draft_cache_features=False)).cache_features is False
+  with pytest.raises(ValueError, match="draft_cache_features='no' must be True or False"):
+    demo.DemoConfig(draft_cache_features="no")
 
 
 def test_drafter_overrides_carry_the_demo_drafter_shape():
@@ -157,6 +163,11 @@ def test_drafter_overrides_carry_the_demo_drafter_shape():
       "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32,
       "intermediate_size": 1408}
   assert demo.drafter_overrides(dataclasses.replace(d, draft_head_dim=32)) == {"head_dim": 32}
+  # Heads that do not divide the hidden size are named, not rounded down to a narrower layer.
+  with pytest.raises(ValueError, match=r"--draft-num-heads 12 does not divide hidden_size=256"):
+    demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=12))
+  assert demo.drafter_overrides(dataclasses.replace(d, draft_num_heads=12, draft_head_dim=20)) \
+      == {"num_attention_heads": 12, "num_key_value_heads": 12, "head_dim": 20}
 
 
 def test_drafter_capture_parses_the_demo_flag():

@@ -96,6 +96,10 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
     # Refused by the drafter's training, after the target's 42 minutes, before.
     ("scripts/make_demo.py", ["--draft-vocab-size", "10000", "--curve", "/tmp/c.json"],
      "draft_vocab_size=10000 exceeds vocab_size=8192"),
+    # The boolean flag parses (a bool-typed flag took any string as True).
+    ("scripts/make_demo.py", ["--no-draft-cache-features", "--draft-num-heads", "12",
+                              "--curve", "/tmp/c.json"],
+     "--draft-num-heads 12 does not divide hidden_size=256"),
     ("scripts/bench_compile.py", ["--depths", "2,4"], "depths=[2, 4] must be layer counts >= 3"),
     ("scripts/bench_compile.py", ["--json", "tests"], "--json 'tests' is a folder"),
     ("scripts/bench_kernel.py", ["--small", "--interpret", "--out", "/nonexistent-dir/k.json"],

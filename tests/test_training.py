@@ -410,11 +410,17 @@ def test_feature_cache_refuses_what_it_cannot_hold(target, data, monkeypatch):
   with pytest.raises(ValueError, match=r"TrainConfig.cache_features='yes' must be True or "):
     training.TrainConfig(cache_features="yes")
   from eagle3jax.training import data as data_lib
+  # What the process could take: MemAvailable (page cache included), capped by a cgroup limit.
+  assert data_lib._available_memory() > 0
+  cgroup = {"/sys/fs/cgroup/memory.max": 2**30, "/sys/fs/cgroup/memory.current": 2**30 - 2**20}
+  monkeypatch.setattr(data_lib, "_read_int", cgroup.get)
+  assert data_lib._available_memory() == 2**20
   monkeypatch.setattr(data_lib, "_available_memory", lambda: 2**16)
-  with pytest.raises(ValueError, match=r"cache_features would hold up to 0.0 GiB of target "
+  with pytest.raises(ValueError, match=r"cache_features would hold up to 0.1 MiB of target "
                      r"features \(4 sequences x 32 tokens x \(192 capture values \+ 64 draft "
-                     r"logits\)\), more than half of the 0.0 GiB of memory free: set "
-                     r"cache_features=False"):
+                     r"logits\)\), more than half of the 0.1 MiB of memory available: set "
+                     r"cache_features=False \(train_drafter.py --no-cache-features, "
+                     r"make_demo.py --no-draft-cache-features\)"):
     training.FeatureCache(target, d, CAPTURE, np.arange(DRAFT_VOCAB), batch_size=4)
   monkeypatch.setattr(data_lib, "_available_memory", lambda: None)
   monkeypatch.setattr(jax, "process_count", lambda: 2)
@@ -423,7 +429,7 @@ def test_feature_cache_refuses_what_it_cannot_hold(target, data, monkeypatch):
     training.FeatureCache(target, d, CAPTURE, np.arange(DRAFT_VOCAB), batch_size=4)
 
 
-def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
+def test_resume_after_kill_matches_uninterrupted(target, tmp_path, caplog):
   # 7 sequences in batches of 4: the checkpoint of step 3 sits mid-epoch (cursor 5), so a
   # resume that lost the data cursor would train on other batches.
   rng = np.random.default_rng(5)
@@ -448,6 +454,21 @@ def test_resume_after_kill_matches_uninterrupted(target, tmp_path):
   got = got[:3] + [r["loss"] for r in resumed.train(n - 3, progress=False)]
   assert resumed.step == n
   np.testing.assert_allclose(got, expected, rtol=1e-6, atol=0)
+  resumed.close()
+  # Resumed with the feature cache switched on: the same losses, and no warning that the
+  # recipe changed (the cache changes where the features come from, not what they are).
+  ckpt2 = str(tmp_path / "ckpt2")
+  first = training.Trainer(target, _drafter(target, d), d, cfg, checkpoint_dir=ckpt2)
+  first.train(k, progress=False)
+  del first
+  with caplog.at_level(logging.WARNING, logger="eagle3jax"):
+    resumed = training.Trainer(target, _drafter(target, d, seed=99), d,
+                               dataclasses.replace(cfg, cache_features=True),
+                               checkpoint_dir=ckpt2)
+  assert "changed TrainConfig fields" not in caplog.text
+  tail = [r["loss"] for r in resumed.train(n - 3, progress=False)]
+  assert resumed._cache is not None
+  np.testing.assert_allclose(tail, expected[3:], rtol=1e-5, atol=0)
   resumed.close()
   # A run asked for fewer steps than its checkpoint holds would export the later step.
   shorter = training.TrainConfig(**{**cfg.__dict__, "total_steps": 5})
@@ -605,7 +626,7 @@ def test_train_drafter_checks_its_arguments_before_the_regeneration(target, tmp_
   # A feature cache that would not fit was refused only at the first step.
   from eagle3jax.training import data as data_lib
   monkeypatch.setattr(data_lib, "_available_memory", lambda: 2**16)
-  refused(r"cache_features would hold up to 0.0 GiB of target features \(2 sequences x 32 "
+  refused(r"cache_features would hold up to 0.1 MiB of target features \(2 sequences x 32 "
           r"tokens x \(192 capture values \+ 64 draft logits\)\)",
           config=dataclasses.replace(cfg, cache_features=True))
   # An out_dir holding another model (the target's own folder, say) would be overwritten.
@@ -740,9 +761,19 @@ def test_script_config_and_flags(tmp_path):
   cfg = mod._train_config(args, training.TrainConfig)
   assert (cfg.learning_rate, cfg.ttt_steps, cfg.b2) == (0.01, 5, 0.99)
   assert cfg.cache_features is True
+  cfg_file.write_text('{"cache_features": true}')  # the flag overrides the file
   args = mod.build_parser(training.TrainConfig).parse_args(
-      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--no-cache-features"])
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--config", str(cfg_file),
+       "--no-cache-features"])
   assert mod._train_config(args, training.TrainConfig).cache_features is False
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--config", str(cfg_file)])
+  assert mod._train_config(args, training.TrainConfig).cache_features is True
+  cfg_file.write_text('{"cache_features": "false"}')
+  args = mod.build_parser(training.TrainConfig).parse_args(
+      ["--target", "t", "--out", "o", "--prompt-ids-file", "p", "--config", str(cfg_file)])
+  with pytest.raises(ValueError, match="in a --config JSON file: true or false, not a string"):
+    mod._train_config(args, training.TrainConfig)
   args = mod.build_parser(training.TrainConfig).parse_args(
       ["--target", "t", "--out", "o", "--prompt-ids-file", "p"])
   assert mod._train_config(args, training.TrainConfig).cache_features is False

@@ -11,7 +11,8 @@ from eagle3jax.training.ttt import (drafter_layer, label_distribution, loss_star
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
 __all__ = [
-    "DataPosition", "FeatureCache", "feature_cache_bytes", "TargetFeatures", "TrainingData", "build_training_data", "pack", "regenerate",
+    "DataPosition", "FeatureCache", "feature_cache_bytes",
+    "TargetFeatures", "TrainingData", "build_training_data", "pack", "regenerate",
     "target_features", "Bin", "MissBreakdown", "miss_breakdown", "TRAINABLE", "TrainConfig",
     "Trainer", "TrainResult", "make_optimizer",
     "train_drafter", "drafter_layer", "label_distribution", "loss_start", "soft_cross_entropy",

@@ -240,12 +240,36 @@ def batch_indices(num_sequences: int, position: DataPosition, batch_size: int, s
   return np.asarray(idx), DataPosition(epoch, cursor)
 
 
-def _available_memory() -> int | None:
-  """Bytes of physical memory free now (Linux), or None where the OS does not say."""
+def _read_int(path: str) -> int | None:
   try:
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-  except (ValueError, OSError, AttributeError):
+    with open(path) as f:
+      text = f.read().strip()
+    return None if text == "max" else int(text)
+  except (OSError, ValueError):
     return None
+
+
+def _available_memory() -> int | None:
+  """Bytes this process could still take (Linux): ``MemAvailable`` (free memory and the page
+  cache the kernel can reclaim), capped by a cgroup v2 memory limit less its usage; None where
+  neither says."""
+  avail = None
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          avail = int(line.split()[1]) * 1024
+          break
+  except (OSError, ValueError, IndexError):
+    pass
+  limit, used = _read_int("/sys/fs/cgroup/memory.max"), _read_int("/sys/fs/cgroup/memory.current")
+  if limit is not None and used is not None:
+    avail = limit - used if avail is None else min(avail, limit - used)
+  return avail
+
+
+def _size(nbytes: int) -> str:
+  return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def feature_cache_bytes(num_sequences: int, seq_len: int, capture_width: int,
@@ -255,34 +279,38 @@ def feature_cache_bytes(num_sequences: int, seq_len: int, capture_width: int,
   return num_sequences * seq_len * 4 * (capture_width + draft_vocab_size + 1)
 
 
+_OFF = "train_drafter.py --no-cache-features, make_demo.py --no-draft-cache-features"
+
+
 def check_feature_cache(num_sequences: int, seq_len: int, capture_width: int,
                         draft_vocab_size: int) -> None:
   """Refuses a ``FeatureCache`` this process could not hold: in a multi-process run (one
-  host's copy), or at more than half of the memory free now."""
+  host's copy), or at more than half of the memory available now (``_available_memory``)."""
   if jax.process_count() > 1:
     raise ValueError("TrainConfig.cache_features keeps every sequence's features in one "
                      "host's memory, which a multi-process run does not share: set "
-                     "cache_features=False (each step then computes its batch's features)")
+                     f"cache_features=False ({_OFF}; each step then computes its batch's "
+                     "features)")
   need = feature_cache_bytes(num_sequences, seq_len, capture_width, draft_vocab_size)
   free = _available_memory()
   if free is not None and need > free // 2:
     raise ValueError(
-        f"TrainConfig.cache_features would hold up to {need / 2**30:.1f} GiB of target "
+        f"TrainConfig.cache_features would hold up to {_size(need)} of target "
         f"features ({num_sequences} sequences x {seq_len} tokens x ({capture_width} capture "
         f"values + {draft_vocab_size} draft logits)), more than half of the "
-        f"{free / 2**30:.1f} GiB of memory free: set cache_features=False, or train on fewer "
-        "or shorter sequences")
+        f"{_size(free)} of memory available: set cache_features=False ({_OFF}), or train on "
+        "fewer or shorter sequences")
 
 
 class FeatureCache:
   """The target's features of every training sequence, computed once and kept in host memory.
 
   Without it the trainer runs the target's forward on every batch, so every epoch pays for it
-  again (at the demo's size a fifth of a training step). Built with the program
+  again (at the demo's size a quarter of a training step). Built with the program
   ``target_features`` runs, ``batch_size`` sequences at a time in data order; ``take(idx)``
   places a batch's rows with the shardings that program gives its outputs, so the train step
   sees the arrays it would otherwise compute, equal to float32 rounding (a row computed beside
-  other rows can round differently). One process only, and at most half the free memory
+  other rows can round differently). One process only, and at most half the available memory
   (``check_feature_cache``).
   """
 

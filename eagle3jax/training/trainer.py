@@ -133,7 +133,7 @@ class TrainConfig:
   def __post_init__(self):
     if not isinstance(self.cache_features, (bool, np.bool_)):
       raise ValueError(f"TrainConfig.cache_features={self.cache_features!r} must be True or "
-                       "False")
+                       "False (in a --config JSON file: true or false, not a string)")
     object.__setattr__(self, "cache_features", bool(self.cache_features))
     if not is_integer(self.align_topk) or self.align_topk < 0:
       raise ValueError(f"TrainConfig.align_topk={self.align_topk!r} must be an integer >= 0 "
@@ -252,6 +252,10 @@ def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features
 _NOT_IN_STEP = dict(checkpoint_every=1, keep_checkpoints=1, seed=0, draft_vocab_size=None,
                     max_new_tokens=1, temperature=0.0, gen_batch_size=1, batch_size=1,
                     seq_len=3, head_init="random", cache_features=False)
+
+
+# Fields that change how a step gets its inputs, not what it trains: no warning on resuming.
+_SAME_TRAINING = ("cache_features",)
 
 
 def step_config(cfg: TrainConfig) -> TrainConfig:
@@ -596,7 +600,7 @@ class Trainer:
         _release_failed_reads(folder)
     saved = meta.get("config", {})
     changed = sorted(k for k, v in dataclasses.asdict(self.config).items()
-                     if k in saved and saved[k] != v)
+                     if k in saved and saved[k] != v and k not in _SAME_TRAINING)
     if changed:
       log.warning("resuming step %d with changed TrainConfig fields %s", step, changed)
     self.params = out.state["params"]
