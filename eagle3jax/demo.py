@@ -158,10 +158,10 @@ class DemoConfig:
   lm_seq_len: int = 256
   lm_lr: float = 3e-3
   draft_vocab_size: int = 1024
-  draft_prompts: int = 4096
+  draft_prompts: int = 6144
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 2000
+  draft_steps: int = 2600
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 7
@@ -402,7 +402,7 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   if train_texts is None:  # first: a mistyped out_dir is named before anything is created
     train_texts = read_split(read_manifest(out_dir), "train")
   # Its first write is the export after training: a folder that cannot take it is named now,
-  # not after the regeneration and training (35-50 minutes).
+  # not after the regeneration and training (about 55 minutes).
   try:
     os.makedirs(drafter_dir, exist_ok=True)
   except OSError as e:
