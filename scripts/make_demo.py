@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Rebuild the shipped demo (models/default) from scratch: corpus manifest, tokenizer, target,
 drafter. Takes about 1 hour 40 minutes on a 2-core CPU with the defaults (the target about 42
-minutes; the drafter about 56: regeneration about 10, the feature cache 3, training about 41)."""
+minutes; the drafter about 56: regeneration about 10, the feature cache 3, training about 40)."""
 
 import argparse
 import dataclasses

@@ -103,7 +103,7 @@ class TrainConfig:
     cache_features: compute the target's features of every training sequence once, before
       the first step, and keep them in host memory (``training.data.FeatureCache``), instead
       of running the target on every batch of every epoch. The same training to float32
-      rounding, for ``feature_cache_bytes`` of memory (3.9 GiB for the demo's 4096 x 144
+      rounding, for ``feature_cache_bytes`` of memory (5.9 GiB for the demo's 6144 x 144
       tokens, 768 capture values and 1024 draft logits); one process only.
   """
   learning_rate: float = 1e-4
