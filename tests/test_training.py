@@ -206,6 +206,44 @@ def test_ttt_attention_mask_from_start_keeps_the_rows_it_computes():
     ttt.ttt_attention_mask(6, 1, 6)
 
 
+@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (1, 4)])
+def test_ttt_step_layer_equals_the_masked_layer(data, mesh_shape):
+  # The unrolled steps' attention as step-0 scores plus the diagonal ones equals the plain
+  # layer over the concatenated keys with ttt_attention_mask, from a start and from 0, with
+  # query heads grouped over KV heads (8 over 2), on data- and tensor-parallel meshes (4
+  # shards: the 2 KV heads replicated).
+  _, d = data
+  tgt = eagle3jax.init_target(engine_helpers.CFG, mesh=eagle3jax.make_mesh(*mesh_shape),
+                              seed=0, std=0.5)
+  dr = _drafter(tgt, d)
+  tokens = jnp.asarray(d.tokens[:4])
+  t = SEQ_LEN
+  with jax.set_mesh(tgt.mesh):
+    feats = training.target_features(tgt, d.tokens[:4], CAPTURE,
+                                     np.arange(DRAFT_VOCAB) + np.asarray(dr.d2t[...]))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (4, t))
+    a0, k0, v0 = ttt.drafter_layer(dr, tokens, dr.project(feats.aux), pos, [], [],
+                                   ttt.ttt_attention_mask(t, 0))
+    for start in (0, 5):
+      want_h = got_h = a0[:, start:]
+      want_k, want_v, got_k, got_v = [k0], [v0], [k0], [v0]
+      for j in (1, 2, 3):
+        tok_j, pos_j = jnp.roll(tokens, -j, axis=1)[:, start:], pos[:, start:] + j
+        want_h, kw, vw = ttt.drafter_layer(dr, tok_j, want_h, pos_j, want_k, want_v,
+                                           ttt.ttt_attention_mask(t, j, start))
+        got_h, kg, vg = ttt.ttt_step_layer(dr, tok_j, got_h, pos_j, got_k, got_v)
+        want_k, want_v = want_k + [kw], want_v + [vw]
+        got_k, got_v = got_k + [kg], got_v + [vg]
+        assert jax.typeof(got_h).sharding == jax.typeof(want_h).sharding
+        scale = float(jnp.max(jnp.abs(want_h)))
+        np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=1e-5,
+                                   atol=1e-6 * scale, err_msg=f"start {start}, step {j}")
+        np.testing.assert_allclose(np.asarray(kg), np.asarray(kw), rtol=1e-5,
+                                   atol=1e-6 * float(jnp.max(jnp.abs(kw))))
+    with pytest.raises(ValueError, match="step 0's slab"):
+      ttt.ttt_step_layer(dr, tokens, a0, pos, [], [])
+
+
 def test_loss_start_is_the_first_position_a_step_can_score():
   mask = np.zeros((3, 20), bool)
   mask[0, 12:], mask[1, 9:15], mask[2, 15:] = True, True, True

@@ -7,7 +7,8 @@ from eagle3jax.training.misses import Bin, MissBreakdown, miss_breakdown
 from eagle3jax.training.trainer import (TRAINABLE, TrainConfig, Trainer, TrainResult,
                                         make_optimizer, train_drafter)
 from eagle3jax.training.ttt import (drafter_layer, label_distribution, loss_start,
-                                    soft_cross_entropy, ttt_attention_mask, ttt_loss)
+                                    soft_cross_entropy, ttt_attention_mask, ttt_loss,
+                                    ttt_step_layer)
 from eagle3jax.training.vocab import DraftVocab, build_draft_vocab
 
 __all__ = [
@@ -16,5 +17,5 @@ __all__ = [
     "target_features", "Bin", "MissBreakdown", "miss_breakdown", "TRAINABLE", "TrainConfig",
     "Trainer", "TrainResult", "make_optimizer",
     "train_drafter", "drafter_layer", "label_distribution", "loss_start", "soft_cross_entropy",
-    "ttt_attention_mask", "ttt_loss", "DraftVocab", "build_draft_vocab",
+    "ttt_attention_mask", "ttt_loss", "ttt_step_layer", "DraftVocab", "build_draft_vocab",
 ]

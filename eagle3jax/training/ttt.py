@@ -11,7 +11,8 @@ which only the draft vocabulary's columns and the argmax enter, ``TargetFeatures
 * query (j, t) attends causally to the step-0 keys ``s <= t`` and to the keys of steps
   1..j at the same t (the diagonal): what a depth-j draft node sees at inference. All steps so
   far are one concatenated key set ``[step 0 | step 1 | ... | step j]`` with the explicit mask
-  ``ttt_attention_mask(T, j, start)``;
+  ``ttt_attention_mask(T, j, start)`` (``drafter_layer``, the plain form);
+  ``ttt_step_layer`` computes the same attention as step-0 scores plus the j diagonal ones;
 * step j at t predicts ``x_{t+j+2}``; its soft target is ``softmax(l_{t+j+1})`` restricted to
   the draft vocabulary and renormalised. Positions are dropped where ``x_{t+j+2}`` is not a
   response token (or lies past the sequence) and where the target's full-vocabulary argmax has
@@ -29,8 +30,9 @@ included, as misses) where the drafter's argmax, mapped to a target id, equals t
 argmax: a proxy for per-depth acceptance.
 
 Cost: steps >= 1 and every step's draft-vocabulary head run only from ``start`` on (the
-prompt's positions before it can take no loss; ``loss_start``), and the head and its
-cross-entropy have written-out backwards (``draft_head``, ``soft_cross_entropy``).
+prompt's positions before it can take no loss; ``loss_start``), their attention skips the
+masked-out scores (``ttt_step_layer``), and the head and its cross-entropy have written-out
+backwards (``draft_head``, ``soft_cross_entropy``).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ import numpy as np
 from eagle3jax import attention as attn_lib
 from eagle3jax import kv_cache as kv_lib
 from eagle3jax.layers import einsum
-from eagle3jax.sharding import (BATCH, SEQ, VOCAB, batch_major, current_mesh, out_spec,
-                                require_mesh, shard)
+from eagle3jax.sharding import (BATCH, HEAD_DIM, KV_HEADS, SEQ, VOCAB, batch_major,
+                                current_mesh, out_spec, require_mesh, shard)
 from eagle3jax.training.data import TargetFeatures
 from eagle3jax.semantics import standard_numpy
 
@@ -110,6 +112,60 @@ def drafter_layer(drafter, tokens, hidden, positions, past_k, past_v, mask):
   lengths = batch_major(jnp.zeros((b,), jnp.int32))
   o = attn_lib.attend(q, k_all, v_all, lengths, tree_mask, scale=drafter.attention_scale,
                       impl="xla")
+  return drafter.attention_output(hidden, o), k, v
+
+
+@standard_numpy
+def ttt_step_layer(drafter, tokens, hidden, positions, past_k, past_v):
+  """The drafter layer of an unrolled step j >= 1, its attention written for the TTT key set.
+
+  The queries are positions ``start .. T-1`` (``n = T - start`` of them, ``start = T - n``);
+  query t reads the step-0 keys ``s <= t`` and the keys of steps ``1..j`` at t only: the
+  mask ``ttt_attention_mask(T, j, start)`` that ``drafter_layer`` applies to all ``T + j * n``
+  keys. Here the step-0 scores are ``[n, T]`` and the other steps' are the ``j`` diagonal
+  entries, ``[n, j]``, one softmax over both: the same maths without the ``n * (j - 1) * n``
+  masked scores (and their backward) that grew with every step and took a third of a training
+  step at the demo's size.
+
+  Args:
+    tokens, hidden, positions: ``[B, n, ...]`` as ``drafter_layer``'s.
+    past_k, past_v: step 0's ``[B, K, T, H]`` slab, then the slabs ``[B, K, n, H]`` of steps
+      ``1 .. j-1``, as ``drafter_layer`` and this function return them.
+
+  Returns:
+    ``(a [B, n, D], k [B, K, n, H], v [B, K, n, H])`` as ``drafter_layer``.
+  """
+  b, n = tokens.shape
+  hidden, q, k, v = drafter.attention_inputs(tokens, hidden, positions)
+  k, v = kv_lib.as_slab(k), kv_lib.as_slab(v)                          # [B, K, n, H]
+  if not past_k or len(past_k) != len(past_v) or past_k[0].shape[2] < n:
+    raise ValueError(f"ttt_step_layer: the past keys must start with step 0's slab over T >= "
+                     f"n={n} positions (got {len(past_k)} key and {len(past_v)} value slabs"
+                     f"{f', T={past_k[0].shape[2]}' if past_k else ''})")
+  k0, v0 = past_k[0], past_v[0]                                        # [B, K, T, H]
+  kh, t, h = k0.shape[1], k0.shape[2], k0.shape[3]
+  g = q.shape[2] // kh
+  qg = q.reshape(b, n, kh, g, h)
+  f32 = jnp.float32
+  s0 = jnp.einsum("BTKGH,BKSH->BKGTS", qg, k0, preferred_element_type=f32,
+                  out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, SEQ), (b, kh, g, n, t)))
+  causal = np.arange(t)[None, :] <= np.arange(t - n, t)[:, None]       # [n, T]
+  s0 = jnp.where(causal, s0 * drafter.attention_scale, -1e30)
+  dk = jnp.stack(list(past_k[1:]) + [k], axis=3)                       # [B, K, n, j, H]
+  dv = jnp.stack(list(past_v[1:]) + [v], axis=3)
+  j = dk.shape[3]
+  sd = jnp.einsum("BTKGH,BKTJH->BKGTJ", qg, dk, preferred_element_type=f32,
+                  out_sharding=out_spec((BATCH, KV_HEADS, None, SEQ, None), (b, kh, g, n, j)))
+  sd = sd * drafter.attention_scale
+  top = jnp.maximum(jnp.max(s0, axis=-1, keepdims=True), jnp.max(sd, axis=-1, keepdims=True))
+  e0, ed = jnp.exp(s0 - top), jnp.exp(sd - top)
+  total = jnp.sum(e0, axis=-1, keepdims=True) + jnp.sum(ed, axis=-1, keepdims=True)
+  o_spec = out_spec((BATCH, KV_HEADS, None, SEQ, HEAD_DIM), (b, kh, g, n, h))
+  o = (jnp.einsum("BKGTS,BKSH->BKGTH", (e0 / total).astype(v.dtype), v0,
+                  preferred_element_type=f32, out_sharding=o_spec)
+       + jnp.einsum("BKGTJ,BKTJH->BKGTH", (ed / total).astype(v.dtype), dv,
+                    preferred_element_type=f32, out_sharding=o_spec))
+  o = o.transpose(0, 3, 1, 2, 4).reshape(b, n, kh * g, h).astype(q.dtype)  # [B, n, N, H]
   return drafter.attention_output(hidden, o), k, v
 
 
@@ -291,8 +347,7 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     if j:
       tok_j = _window(tokens, j + 1, start)
       pos_j = shard(base_pos[:, start:] + j, (BATCH, SEQ))
-      hidden, k, v = drafter_layer(drafter, tok_j, hidden, pos_j, past_k, past_v,
-                                   ttt_attention_mask(t, j, start))
+      hidden, k, v = ttt_step_layer(drafter, tok_j, hidden, pos_j, past_k, past_v)
       past_k.append(k)
       past_v.append(v)
     logits = draft_head(drafter.norm(hidden[:, :n_j]), drafter.lm_head[...])  # [B, n_j, N]
