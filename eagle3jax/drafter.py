@@ -191,7 +191,8 @@ class Eagle3Drafter(nnx.Module):
     return draft_ids + offsets
 
   # The layer's maths is split in two so that training (eagle3jax.training.ttt), which attends
-  # over keys of earlier unrolled steps, runs exactly the code that serves.
+  # over keys of earlier unrolled steps, runs the projections and the output that serve; its
+  # steps >= 1 attend with ttt.ttt_step_layer, tested equal to the masked attention.
   @property
   def attention_scale(self) -> float:
     return 1.0 / math.sqrt(self.config.resolved_head_dim)

@@ -206,42 +206,71 @@ def test_ttt_attention_mask_from_start_keeps_the_rows_it_computes():
     ttt.ttt_attention_mask(6, 1, 6)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 1), (1, 2), (1, 4)])
-def test_ttt_step_layer_equals_the_masked_layer(data, mesh_shape):
+@pytest.mark.parametrize("mesh_shape,dtype", [((2, 1), jnp.float32), ((1, 2), jnp.float32),
+                                               ((1, 4), jnp.float32), ((1, 2), jnp.bfloat16)])
+def test_ttt_step_layer_equals_the_masked_layer(data, mesh_shape, dtype):
   # The unrolled steps' attention as step-0 scores plus the diagonal ones equals the plain
-  # layer over the concatenated keys with ttt_attention_mask, from a start and from 0, with
-  # query heads grouped over KV heads (8 over 2), on data- and tensor-parallel meshes (4
-  # shards: the 2 KV heads replicated).
+  # layer over the concatenated keys with ttt_attention_mask, in values and in gradients (of
+  # every parameter and of the step-0 hidden state), from a start and from 0, with query heads
+  # grouped over KV heads (8 over 2), on data- and tensor-parallel meshes (4 shards: the 2 KV
+  # heads replicated), and in bfloat16 (XLA:CPU refuses some bfloat16 dot layouts).
   _, d = data
   tgt = eagle3jax.init_target(engine_helpers.CFG, mesh=eagle3jax.make_mesh(*mesh_shape),
-                              seed=0, std=0.5)
-  dr = _drafter(tgt, d)
+                              dtype=dtype, seed=0, std=0.5)
+  vocab = training.build_draft_vocab(d.responses(), tgt.config.vocab_size, DRAFT_VOCAB)
+  dcfg = eagle3jax.DrafterConfig.for_target(tgt.config, CAPTURE, draft_vocab_size=DRAFT_VOCAB)
+  dr = eagle3jax.init_drafter(dcfg, target=tgt, dtype=dtype, seed=0, d2t=vocab.d2t)
   tokens = jnp.asarray(d.tokens[:4])
   t = SEQ_LEN
+  rtol = 1e-5 if dtype == jnp.float32 else 2e-2
+  graphdef, params, rest = nnx.split(dr, training.TRAINABLE, ...)
   with jax.set_mesh(tgt.mesh):
     feats = training.target_features(tgt, d.tokens[:4], CAPTURE,
                                      np.arange(DRAFT_VOCAB) + np.asarray(dr.d2t[...]))
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (4, t))
-    a0, k0, v0 = ttt.drafter_layer(dr, tokens, dr.project(feats.aux), pos, [], [],
-                                   ttt.ttt_attention_mask(t, 0))
-    for start in (0, 5):
-      want_h = got_h = a0[:, start:]
-      want_k, want_v, got_k, got_v = [k0], [v0], [k0], [v0]
+    weights = jax.random.normal(jax.random.key(1), (4, t, tgt.config.hidden_size), jnp.float32)
+
+    def run(p, hidden, start, masked):
+      drafter = nnx.merge(graphdef, p, rest)
+      a0, k0, v0 = ttt.drafter_layer(drafter, tokens, hidden, pos, [], [],
+                                     ttt.ttt_attention_mask(t, 0))
+      h, past_k, past_v, outs = a0[:, start:], [k0], [v0], []
       for j in (1, 2, 3):
         tok_j, pos_j = jnp.roll(tokens, -j, axis=1)[:, start:], pos[:, start:] + j
-        want_h, kw, vw = ttt.drafter_layer(dr, tok_j, want_h, pos_j, want_k, want_v,
-                                           ttt.ttt_attention_mask(t, j, start))
-        got_h, kg, vg = ttt.ttt_step_layer(dr, tok_j, got_h, pos_j, got_k, got_v)
-        want_k, want_v = want_k + [kw], want_v + [vw]
-        got_k, got_v = got_k + [kg], got_v + [vg]
-        assert jax.typeof(got_h).sharding == jax.typeof(want_h).sharding
-        scale = float(jnp.max(jnp.abs(want_h)))
-        np.testing.assert_allclose(np.asarray(got_h), np.asarray(want_h), rtol=1e-5,
-                                   atol=1e-6 * scale, err_msg=f"start {start}, step {j}")
-        np.testing.assert_allclose(np.asarray(kg), np.asarray(kw), rtol=1e-5,
-                                   atol=1e-6 * float(jnp.max(jnp.abs(kw))))
+        if masked:
+          h, k, v = ttt.drafter_layer(drafter, tok_j, h, pos_j, past_k, past_v,
+                                      ttt.ttt_attention_mask(t, j, start))
+        else:
+          h, k, v = ttt.ttt_step_layer(drafter, tok_j, h, pos_j, past_k, past_v)
+        past_k, past_v, outs = past_k + [k], past_v + [v], outs + [h]
+      loss = sum(jnp.sum(o.astype(jnp.float32) * weights[:, start:]) for o in outs)
+      return loss, (outs, past_k)
+
+    hidden = dr.project(feats.aux)
+    for start in (0, 5):
+      grad = jax.jit(jax.value_and_grad(run, argnums=(0, 1), has_aux=True),
+                     static_argnums=(2, 3))
+      (_, (want_h, want_k)), (want_gp, want_gh) = grad(params, hidden, start, True)
+      (_, (got_h, got_k)), (got_gp, got_gh) = grad(params, hidden, start, False)
+      for j, (g, w) in enumerate(zip(got_h + got_k, want_h + want_k)):
+        assert jax.typeof(g).sharding == jax.typeof(w).sharding and g.dtype == w.dtype
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=rtol,
+                                   atol=rtol * 0.1 * float(np.abs(w).max()),
+                                   err_msg=f"start {start}, output {j}")
+      flat_want = dict(nnx.to_flat_state(want_gp))
+      pairs = [(str(path), g[...], flat_want[path][...]) for path, g in
+               nnx.to_flat_state(got_gp)] + [("hidden", got_gh, want_gh)]
+      reached = {path for path, _, w in pairs if np.abs(np.asarray(w, np.float32)).max() > 0}
+      for name in ("q_proj", "k_proj", "v_proj", "o_proj", "mlp", "hidden"):  # not fc or head
+        assert any(name in path for path in reached), (name, reached)
+      for path, g, w in pairs:
+        w = np.asarray(w, np.float32)
+        np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=20 * rtol,
+                                   atol=2 * rtol * float(np.abs(w).max()),
+                                   err_msg=f"start {start}, gradient of {path}")
     with pytest.raises(ValueError, match="step 0's slab"):
-      ttt.ttt_step_layer(dr, tokens, a0, pos, [], [])
+      ttt.ttt_step_layer(dr, tokens, hidden, pos, [], [])
 
 
 def test_loss_start_is_the_first_position_a_step_can_score():

@@ -53,8 +53,9 @@ from eagle3jax.semantics import standard_numpy
 def ttt_attention_mask(seq_len: int, step: int, start: int = 0) -> np.ndarray:
   """Boolean ``[T - start, T + step * (T - start)]``: may query t of ``step`` read key c.
 
-  Queries are positions ``start .. T-1`` (``ttt_loss`` runs steps >= 1 only where a loss can
-  fall). Columns are the step-0 keys ``0 .. T-1`` followed by the keys of steps ``1..step``
+  Queries are positions ``start .. T-1`` (steps >= 1 run only where a loss can fall). The
+  plain layer (``drafter_layer``, ``reference_ttt_loss``) applies it; ``ttt_loss``'s steps >= 1
+  compute the same attention without the masked scores (``ttt_step_layer``). Columns are the step-0 keys ``0 .. T-1`` followed by the keys of steps ``1..step``
   at positions ``start .. T-1`` (``c = T + (i - 1) * (T - start) + (s - start)`` is key s of
   step i): causal over step 0 (``s <= t``), and only ``s == t`` in steps ``1..step``.
   """
@@ -123,9 +124,9 @@ def ttt_step_layer(drafter, tokens, hidden, positions, past_k, past_v):
   query t reads the step-0 keys ``s <= t`` and the keys of steps ``1..j`` at t only: the
   mask ``ttt_attention_mask(T, j, start)`` that ``drafter_layer`` applies to all ``T + j * n``
   keys. Here the step-0 scores are ``[n, T]`` and the other steps' are the ``j`` diagonal
-  entries, ``[n, j]``, one softmax over both: the same maths without the ``n * (j - 1) * n``
-  masked scores (and their backward) that grew with every step and took a third of a training
-  step at the demo's size.
+  entries, ``[n, j]``, one softmax over both: the same maths without the ``n * j * (n - 1)``
+  masked scores (and their backward), which grew with every step and took about a third of a
+  training step at the demo's size.
 
   Args:
     tokens, hidden, positions: ``[B, n, ...]`` as ``drafter_layer``'s.
