@@ -4,9 +4,12 @@
 48 prompt + 96 regenerated response tokens, the draft vocabulary counted on them, 7 unrolled
 steps: ``DemoConfig``) and compiles two complete optimiser steps that differ only in the loss:
 ``ttt.reference_ttt_loss`` (every step over every position, log-softmax, autodiff) and
-``ttt.ttt_loss`` (prompt positions that take no loss run only step 0; the head and its
-cross-entropy have written-out backwards): ``trainer.optimizer_step`` with ``reference`` on
-and off. From the same initial drafter, each run times them alternately, ``repeats`` times
+``ttt.ttt_loss`` (prompt positions that take no loss run only step 0; the unrolled steps
+attend without the masked scores, ``ttt.ttt_step_layer``; the head and its cross-entropy have
+written-out backwards): ``trainer.optimizer_step`` with ``reference`` on and off. A third,
+``ttt_loss`` with ``masked_attention`` (its steps attending over every concatenated key with
+the mask, as before ``ttt_step_layer``), gives that change's ratio. From the same initial
+drafter, each run times them alternately, ``repeats`` times
 each, on the same batch, and keeps the medians and their ratio; the
 target's feature forward, which every training step without a feature cache also pays, is
 timed beside them. So are the two steps a ``Trainer`` takes with ``ttt_loss``: computing the
@@ -84,7 +87,7 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
     # Each kind trains its own copy (the optimiser state is donated), from the same start:
     # the two losses on fixed features, and ttt_loss as a Trainer steps, computing its
     # features or taking them from the cache.
-    kinds = ("plain", "ttt_loss", "computed", "cached")
+    kinds = ("plain", "masked", "ttt_loss", "computed", "cached")
     state = {kind: (params, make_optimizer(cfg).init(params)) for kind in kinds}
     static = step_config(cfg)
 
@@ -93,7 +96,8 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       f = {"computed": lambda: target_features(target, data.tokens, capture, draft_ids),
            "cached": lambda: cache.take(rows)}.get(kind, lambda: feats)()
       p, o, loss, _ = optimizer_step(graphdef, static, p, rest, o, f, tokens,
-                                     mask, start, reference=kind == "plain")
+                                     mask, start, reference=kind == "plain",
+                                     masked_attention=kind == "masked")
       state[kind] = (p, o)
       return loss
 
@@ -105,7 +109,7 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       jax.block_until_ready(fn())
       return 1e3 * (time.perf_counter() - t0)
 
-    per_run = {k: [] for k in kinds + ("ratio", "features", "cache_ratio")}
+    per_run = {k: [] for k in kinds + ("ratio", "attention_ratio", "features", "cache_ratio")}
     for run in range(runs):
       got = {k: [] for k in kinds + ("features",)}
       for _ in range(repeats):
@@ -116,9 +120,11 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       for k, v in med.items():
         per_run[k].append(v)
       per_run["ratio"].append(med["plain"] / med["ttt_loss"])
+      per_run["attention_ratio"].append(med["masked"] / med["ttt_loss"])
       per_run["cache_ratio"].append(med["computed"] / med["cached"])
       log(f"run {run + 1}/{runs}: plain {med['plain']:.0f} ms, ttt_loss {med['ttt_loss']:.0f} "
-          f"ms ({med['plain'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms; "
+          f"ms ({med['plain'] / med['ttt_loss']:.2f}x; with the masked attention "
+          f"{med['masked']:.0f} ms, {med['masked'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms; "
           f"trainer step {med['computed']:.0f} ms computing its features, "
           f"{med['cached']:.0f} ms from the cache ({med['computed'] / med['cached']:.2f}x)")
   return {"machine": machine(), "batch": cfg.batch_size, "seq_len": seq_len,
@@ -143,6 +149,11 @@ def markdown(result: dict) -> str:
       "|---|---|---|---|",
       f"| {cell(result['plain'])} | {cell(result['ttt_loss'])} | "
       f"{cell(result['ratio'], 'x', 2)} | {cell(result['features'])} |",
+      "",
+      "| step, `ttt_loss` with the masked attention | step, `ttt_loss` | speedup |",
+      "|---|---|---|",
+      f"| {cell(result['masked'])} | {cell(result['ttt_loss'])} | "
+      f"{cell(result['attention_ratio'], 'x', 2)} |",
       "",
       f"Trainer step with `ttt_loss` ({result.get('drafter_heads', '?')} heads of "
       f"{result.get('head_dim', '?')}):",

@@ -161,7 +161,7 @@ class DemoConfig:
   draft_prompts: int = 6144
   prompt_len: int = 48
   response_len: int = 96
-  draft_steps: int = 4500
+  draft_steps: int = 3500
   draft_lr: float = 2e-3
   draft_batch: int = 8
   ttt_steps: int = 7

@@ -74,7 +74,7 @@ def test_shipped_pair_decodes_losslessly():
   assert spec.stats["accept_length_mean"] >= 3.25
   assert "capture record verified" in drafter.capture_explanation
   assert drafter.capture_record.weights  # the record names the weights it vouches for
-  assert spec.stats["accept_length_recorded"] == 4.6306  # held-out, at (5, 1, 6)
+  assert spec.stats["accept_length_recorded"] == 4.7014  # held-out, at (5, 1, 6)
 
 
 def test_shipped_drafter_carries_embedding_and_record_and_refuses_the_seed_rewrite(tmp_path):
@@ -139,16 +139,19 @@ def test_training_benchmark_times_both_losses_on_one_batch(tmp_path, capsys):
                             log=lambda m: None)
   # The trainer's two steps (features computed, or taken from the cache) start from the same
   # drafter on the same batch: the same loss as ttt_loss on fixed features.
-  for kind in ("plain", "computed", "cached"):
+  for kind in ("plain", "masked", "computed", "cached"):
     assert result["loss"][kind] == pytest.approx(result["loss"]["ttt_loss"], rel=1e-5), kind
   assert result["loss_start"] == 48 - 7 - 1
   ratios = [a / b for a, b in zip(result["plain"]["runs"], result["ttt_loss"]["runs"])]
   assert result["ratio"]["runs"] == pytest.approx(ratios)
+  ratios = [a / b for a, b in zip(result["masked"]["runs"], result["ttt_loss"]["runs"])]
+  assert result["attention_ratio"]["runs"] == pytest.approx(ratios)
   ratios = [a / b for a, b in zip(result["computed"]["runs"], result["cached"]["runs"])]
   assert result["cache_ratio"]["runs"] == pytest.approx(ratios)
   assert min(result["features"]["runs"]) > 0
   assert (result["drafter_heads"], result["head_dim"]) == (16, 16)  # the demo's drafter
   assert "| step, plain formula |" in markdown(result)
+  assert "| step, `ttt_loss` with the masked attention |" in markdown(result)
   assert "| computing its features | from the feature cache | speedup |" in markdown(result)
   assert report(result, markdown(result), str(tmp_path / "train.json"), "bench_train.py") == 0
   assert "| step, plain formula |" in capsys.readouterr().out

@@ -219,14 +219,18 @@ def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
   return optax.GradientTransformation(standard_numpy(tx.init), standard_numpy(tx.update))
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start", "reference"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "cfg", "start", "reference",
+                                             "masked_attention"),
                    donate_argnames=("opt_state",))
 def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features, tokens,
-                   loss_mask, start: int = 0, reference: bool = False):
+                   loss_mask, start: int = 0, reference: bool = False,
+                   masked_attention: bool = False):
   """One AdamW step of the TTT loss; returns ``(params, opt_state, loss, metrics)``.
 
   ``opt_state`` is donated. ``reference=True`` takes the loss as ``ttt.reference_ttt_loss``
-  writes it (the training benchmark's baseline; its metrics hold only ``acc``).
+  writes it (the training benchmark's baseline; its metrics hold only ``acc``);
+  ``masked_attention=True`` runs ``ttt_loss`` with the masked attention of before
+  ``ttt.ttt_step_layer`` (the benchmark's other baseline).
   """
   def loss_fn(p):
     drafter = nnx.merge(graphdef, p, rest)
@@ -238,7 +242,7 @@ def optimizer_step(graphdef, cfg: TrainConfig, params, rest, opt_state, features
       return loss, {"acc": acc}
     return ttt_loss(drafter, features, tokens, loss_mask, steps=cfg.ttt_steps,
                     decay=cfg.step_decay, start=start, label_temperature=cfg.label_temperature,
-                    align_topk=cfg.align_topk)
+                    align_topk=cfg.align_topk, masked_attention=masked_attention)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
   updates, opt_state = make_optimizer(cfg).update(grads, opt_state, params)

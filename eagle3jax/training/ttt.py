@@ -274,7 +274,7 @@ def _check_align(align_topk) -> None:
 @standard_numpy
 def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int = 7,
              decay: float = 0.8, start: int = 0, label_temperature: float = 1.0,
-             align_topk: int = 0, with_hits: bool = False):
+             align_topk: int = 0, with_hits: bool = False, masked_attention: bool = False):
   """The TTT loss of a batch.
 
   Args:
@@ -295,6 +295,9 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
       response label and ranked the target's top draft token in their top k (module
       docstring); 0: everywhere. Accuracy still counts every valid position.
     with_hits: also return step 0's hits per position (``miss_breakdown``'s diagnostic).
+    masked_attention: steps >= 1 attend over all the concatenated keys with
+      ``ttt_attention_mask`` (``drafter_layer``, the plain form: the same result, slower; for
+      the training benchmark) instead of ``ttt_step_layer``.
 
   Returns:
     ``(loss, metrics)`` with ``metrics = {"loss": [K], "acc": [K], "count": [K], "alive":
@@ -348,7 +351,11 @@ def ttt_loss(drafter, features: TargetFeatures, tokens, loss_mask, *, steps: int
     if j:
       tok_j = _window(tokens, j + 1, start)
       pos_j = shard(base_pos[:, start:] + j, (BATCH, SEQ))
-      hidden, k, v = ttt_step_layer(drafter, tok_j, hidden, pos_j, past_k, past_v)
+      if masked_attention:
+        hidden, k, v = drafter_layer(drafter, tok_j, hidden, pos_j, past_k, past_v,
+                                     ttt_attention_mask(t, j, start))
+      else:
+        hidden, k, v = ttt_step_layer(drafter, tok_j, hidden, pos_j, past_k, past_v)
       past_k.append(k)
       past_v.append(v)
     logits = draft_head(drafter.norm(hidden[:, :n_j]), drafter.lm_head[...])  # [B, n_j, N]
