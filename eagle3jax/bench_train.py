@@ -109,7 +109,8 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       jax.block_until_ready(fn())
       return 1e3 * (time.perf_counter() - t0)
 
-    per_run = {k: [] for k in kinds + ("ratio", "attention_ratio", "features", "cache_ratio")}
+    per_run = {k: [] for k in kinds + ("ratio", "attention_ratio", "features",
+                                       "cache_ratio")}
     for run in range(runs):
       got = {k: [] for k in kinds + ("features",)}
       for _ in range(repeats):
@@ -124,7 +125,8 @@ def train_step_times(target_dir: str, *, runs: int = 3, repeats: int = 5,
       per_run["cache_ratio"].append(med["computed"] / med["cached"])
       log(f"run {run + 1}/{runs}: plain {med['plain']:.0f} ms, ttt_loss {med['ttt_loss']:.0f} "
           f"ms ({med['plain'] / med['ttt_loss']:.2f}x; with the masked attention "
-          f"{med['masked']:.0f} ms, {med['masked'] / med['ttt_loss']:.2f}x), features {med['features']:.0f} ms; "
+          f"{med['masked']:.0f} ms, {med['masked'] / med['ttt_loss']:.2f}x), features "
+          f"{med['features']:.0f} ms; "
           f"trainer step {med['computed']:.0f} ms computing its features, "
           f"{med['cached']:.0f} ms from the cache ({med['computed'] / med['cached']:.2f}x)")
   return {"machine": machine(), "batch": cfg.batch_size, "seq_len": seq_len,

@@ -55,9 +55,10 @@ def ttt_attention_mask(seq_len: int, step: int, start: int = 0) -> np.ndarray:
 
   Queries are positions ``start .. T-1`` (steps >= 1 run only where a loss can fall). The
   plain layer (``drafter_layer``, ``reference_ttt_loss``) applies it; ``ttt_loss``'s steps >= 1
-  compute the same attention without the masked scores (``ttt_step_layer``). Columns are the step-0 keys ``0 .. T-1`` followed by the keys of steps ``1..step``
-  at positions ``start .. T-1`` (``c = T + (i - 1) * (T - start) + (s - start)`` is key s of
-  step i): causal over step 0 (``s <= t``), and only ``s == t`` in steps ``1..step``.
+  compute the same attention without the masked scores (``ttt_step_layer``). Columns are the
+  step-0 keys ``0 .. T-1`` followed by the keys of steps ``1..step`` at positions
+  ``start .. T-1`` (``c = T + (i - 1) * (T - start) + (s - start)`` is key s of step i): causal
+  over step 0 (``s <= t``), and only ``s == t`` in steps ``1..step``.
   """
   if seq_len < 1 or step < 0 or not 0 <= start < seq_len:
     raise ValueError(f"ttt_attention_mask: seq_len={seq_len} must be >= 1, step={step} >= 0 "
@@ -125,8 +126,8 @@ def ttt_step_layer(drafter, tokens, hidden, positions, past_k, past_v):
   mask ``ttt_attention_mask(T, j, start)`` that ``drafter_layer`` applies to all ``T + j * n``
   keys. Here the step-0 scores are ``[n, T]`` and the other steps' are the ``j`` diagonal
   entries, ``[n, j]``, one softmax over both: the same maths without the ``n * j * (n - 1)``
-  masked scores (and their backward), which grew with every step and took about a third of a
-  training step at the demo's size.
+  masked scores (and their backward), which grew with every step and took about 30% of a
+  training step at the demo's size (``bench_train.py``: 1.40x).
 
   Args:
     tokens, hidden, positions: ``[B, n, ...]`` as ``drafter_layer``'s.
