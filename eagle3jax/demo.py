@@ -127,20 +127,29 @@ def encode_corpus(tok, texts: list[str]) -> np.ndarray:
   return np.asarray(ids, np.int32)
 
 
-def prompts_from(tok, texts: list[str], n: int, length: int, seed: int) -> list[list[int]]:
-  """``n`` prompts of ``length`` tokens, each starting at a random line of a random file."""
+def prompts_with_sources(tok, texts: list[str], n: int, length: int, seed: int
+                         ) -> tuple[list[list[int]], list[int]]:
+  """``n`` prompts of ``length`` tokens, each starting at a random line of a random file, and
+  the index in ``texts`` of each one's file (prompts of one file are not independent:
+  ``acceptance_stats``' ``groups``)."""
   rng = np.random.default_rng(seed)
-  out = []
+  out, sources = [], []
   while len(out) < n:
-    text = texts[rng.integers(len(texts))]
-    lines = text.splitlines(keepends=True)
+    source = int(rng.integers(len(texts)))
+    lines = texts[source].splitlines(keepends=True)
     if len(lines) < 4:
       continue
     start = int(rng.integers(len(lines) - 2))
     ids = tok.encode("".join(lines[start:start + 60])).ids
     if len(ids) >= length:
       out.append(ids[:length])
-  return out
+      sources.append(source)
+  return out, sources
+
+
+def prompts_from(tok, texts: list[str], n: int, length: int, seed: int) -> list[list[int]]:
+  """``n`` prompts of ``length`` tokens, each starting at a random line of a random file."""
+  return prompts_with_sources(tok, texts, n, length, seed)[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,13 +286,23 @@ def read_manifest(out_dir: str, hint: str = "pass such a folder, e.g. models/def
   return manifest
 
 
+def heldout_prompts_with_sources(out_dir: str, tok, n: int = HELDOUT["n"],
+                                 seed: int = HELDOUT["seed"], *,
+                                 hint: str = "pass such a folder, e.g. models/default"
+                                 ) -> tuple[list[list[int]], list[int]]:
+  """``n`` prompts of the held-out files (the default: the 8 the curves and records use) and
+  the file of each, its index among the held-out files read (the manifest's list, when none is
+  missing); ``hint`` as in ``read_manifest``."""
+  return prompts_with_sources(tok, read_split(read_manifest(out_dir, hint), "heldout"), n,
+                              HELDOUT["length"], seed)
+
+
 def heldout_prompts(out_dir: str, tok, n: int = HELDOUT["n"],
                     seed: int = HELDOUT["seed"], *,
                     hint: str = "pass such a folder, e.g. models/default") -> list[list[int]]:
   """``n`` prompts of the held-out files (the default: the 8 the curves and records use);
   ``hint`` as in ``read_manifest``."""
-  return prompts_from(tok, read_split(read_manifest(out_dir, hint), "heldout"), n,
-                      HELDOUT["length"], seed)
+  return heldout_prompts_with_sources(out_dir, tok, n, seed, hint=hint)[0]
 
 
 def load_demo_target(out_dir: str):
@@ -299,31 +318,87 @@ def load_demo_target(out_dir: str):
   return target, TextCodec(target_dir).tokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class DrafterComparison:
+  """``compare_drafters``' result.
+
+  Attributes:
+    measured: ``{drafter_dir: {"steps,topk,tokens": acceptance_stats.PromptAcceptance}}``,
+      the greedy rounds and accepted tokens of every prompt (``.length`` pools them).
+    sources: ``[P]`` the held-out file of each prompt (its index among the held-out files
+      read): prompts of one file are resampled together.
+  """
+  measured: dict
+  sources: tuple[int, ...]
+
+  def summary(self, level: float | None = None) -> dict:
+    """The numbers: per drafter and shape the pooled acceptance length (``"acceptance"``; a
+    shape where no prompt ran a round has none), its bootstrap interval (``"interval"``,
+    ``[low, high]``), and for every drafter after the first its paired difference from the
+    first on the same prompts (``"difference"``: ``{"against", "difference", "low",
+    "high"}``), both resampling the held-out files (``acceptance_stats``, ``groups``;
+    ``level``: ``acceptance_stats.DEFAULT_LEVEL`` unless given); ``"files"``: how many files
+    the prompts came from. Where the prompts that ran a round came from fewer than 2 files,
+    a shape has no interval and no difference."""
+    from eagle3jax import acceptance_stats as st
+    level = st.DEFAULT_LEVEL if level is None else level
+    first = next(iter(self.measured))
+    out = {"level": level, "files": len(set(self.sources)), "acceptance": {}, "interval": {},
+           "difference": {}}
+
+    def files_with_rounds(*ms):
+      return len({f for i, f in enumerate(self.sources) if all(m.rounds[i] for m in ms)})
+
+    for d, shapes in self.measured.items():
+      out["acceptance"][d] = {k: round(m.length, 4) for k, m in shapes.items()
+                              if m.length is not None}
+      intervals = {k: [round(x, 4) for x in st.interval(m, groups=self.sources, level=level)]
+                   for k, m in shapes.items() if files_with_rounds(m) >= 2}
+      if intervals:
+        out["interval"][d] = intervals
+      if d == first:
+        continue
+      diffs = {}
+      for k, m in shapes.items():
+        base = self.measured[first].get(k)
+        if base is None or files_with_rounds(m, base) < 2:
+          continue
+        diff, low, high = st.paired_difference(m, base, groups=self.sources, level=level)
+        diffs[k] = {"against": first, "difference": round(diff, 4), "low": round(low, 4),
+                    "high": round(high, 4)}
+      if diffs:
+        out["difference"][d] = diffs
+    for key in ("interval", "difference"):
+      if not out[key]:
+        del out[key]
+    return out
+
+
 @standard_numpy
 def compare_drafters(out_dir: str, drafter_dirs: list[str], *, num_prompts: int = 64,
                      seed: int = 99, shapes=((7, 1, 8), (5, 4, 8)), max_new_tokens: int = 128,
-                     batch_size: int = 8, loaded=None,
-                     log=print) -> dict[str, dict[str, float]]:
-  """Greedy acceptance length per tree shape of each drafter for ``out_dir/target`` on
-  ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample than the 8 prompts of
-  the learning curves, which were off the 64-prompt figure by up to 0.29 at (7, 1, 8).
+                     batch_size: int = 8, loaded=None, log=print) -> DrafterComparison:
+  """Greedy rounds and accepted tokens per prompt, per tree shape, of each drafter for
+  ``out_dir/target`` on ``num_prompts`` held-out prompts drawn with ``seed``: a larger sample
+  than the 8 prompts of the learning curves, which were off the 64-prompt figure by up to 0.29
+  at (7, 1, 8). ``seed=HELDOUT["seed"]`` draws the curves' 8 first, then more.
   ``loaded``: ``load_demo_target(out_dir)``'s result, to reuse a target already loaded.
-  Returns ``{drafter_dir: {"steps,topk,tokens": length}}``."""
+  ``.summary()`` gives the lengths, their intervals and the paired differences."""
   import eagle3jax
   from eagle3jax import monitor
   if num_prompts < 1 or batch_size < 1 or not drafter_dirs:
     raise ValueError(f"compare_drafters needs num_prompts >= 1 (got {num_prompts}), "
                      f"batch_size >= 1 (got {batch_size}) and at least one drafter folder")
   target, tok = loaded or load_demo_target(out_dir)
-  prompts = heldout_prompts(out_dir, tok, num_prompts, seed)
+  prompts, sources = heldout_prompts_with_sources(out_dir, tok, num_prompts, seed)
   out = {}
   for d in drafter_dirs:
     drafter = eagle3jax.load_drafter(d, target=target)
-    out[d] = monitor.measure_acceptance(target, drafter, prompts, tuple(shapes),
-                                        max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                        eos_ids=[])
-    log(f"{d}: {out[d]}")
-  return out
+    out[d] = monitor.measure_acceptance_per_prompt(
+        target, drafter, prompts, tuple(shapes), max_new_tokens=max_new_tokens,
+        batch_size=batch_size, eos_ids=[])
+    log(f"{d}: " + ", ".join(f"({k}) {m.length:.4f}" for k, m in out[d].items()))
+  return DrafterComparison(out, tuple(sources))
 
 
 @standard_numpy

@@ -41,6 +41,17 @@ def measured_new_tokens(text: str) -> int:
   return _int_at_least(text, 2)
 
 
+def confidence_level(text: str) -> float:
+  """An argparse ``type`` for a confidence level: a number strictly between 0 and 1."""
+  try:
+    value = float(text)
+  except ValueError:
+    raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+  if not 0 < value < 1:
+    raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1 (e.g. 0.95)")
+  return value
+
+
 def require_modules(needs: dict[str, str], install: str) -> None:
   """Raises ``ValueError`` naming each missing optional module (``needs``: module -> what needs
   it) and the command that installs them."""

@@ -266,7 +266,9 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
     ``GenerateResult(tokens, stats)``; stats hold ``accept_length_mean`` (mean accepted drafts
     + 1 per round), ``acceptance_per_position`` (the fraction of rounds that accepted at least
     d + 1 drafts), ``rounds``, ``accepted`` (the sum over rounds of accepted drafts + 1, so
-    pooled acceptance over several calls is ``sum(accepted) / sum(rounds)``), ``tokens_per_s``
+    pooled acceptance over several calls is ``sum(accepted) / sum(rounds)``),
+    ``rounds_per_row`` and ``accepted_per_row`` (the same per prompt, in order: what
+    ``eagle3jax.acceptance_stats`` resamples for an interval), ``tokens_per_s``
     (excluding compilation), ``compile_s``, ``new_tokens``, ``accept_length_recorded`` (the
     drafter's recorded held-out acceptance at this tree shape; None without one, or without a
     drafter). With no round
@@ -398,6 +400,8 @@ def generate(target, drafter, prompts, *, max_new_tokens: int, temperature: floa
       "acceptance_per_position": per_pos,
       "rounds": total_rounds,
       "accepted": int(accepted.sum()),
+      "rounds_per_row": [int(x) for x in rounds],
+      "accepted_per_row": [int(x) for x in accepted],
       "new_tokens": new_tokens,
       "prefill_s": prefill_s,
       "decode_s": decode_s,

@@ -55,6 +55,35 @@ DEFAULT_SHAPES = ((3, 1, 4), (5, 1, 6), (7, 1, 8))
 
 
 @standard_numpy
+def measure_acceptance_per_prompt(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
+                                  max_new_tokens: int = 128, batch_size: int = 8,
+                                  eos_ids=None) -> dict:
+  """Greedy rounds and accepted tokens of each prompt per tree shape on ``prompts``:
+  ``{"steps,topk,tokens": acceptance_stats.PromptAcceptance}``, every shape (a prompt that
+  ended at its first token ran no round). ``measure_acceptance`` pools them;
+  ``acceptance_stats`` gives their intervals. The live monitor is silenced, as there."""
+  from eagle3jax.acceptance_stats import PromptAcceptance  # pylint: disable=import-outside-toplevel
+  from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
+  from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
+  from eagle3jax.tree import checked_shape  # pylint: disable=import-outside-toplevel
+  shapes = [checked_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
+  batch_size = checks.integer("batch_size", batch_size, 1)
+  out = {}
+  for steps, topk, tokens in ((s.num_steps, s.topk, s.num_draft_tokens) for s in shapes):
+    measured = PromptAcceptance((), ())
+    for i in range(0, len(prompts), batch_size):
+      with warnings.catch_warnings():
+        warnings.simplefilter("ignore", AcceptanceWarning)
+        r = generate(target, drafter, prompts[i:i + batch_size],
+                     max_new_tokens=max_new_tokens, num_steps=steps, topk=topk,
+                     num_draft_tokens=tokens, eos_ids=eos_ids)
+      measured += PromptAcceptance(tuple(r.stats["rounds_per_row"]),
+                                   tuple(r.stats["accepted_per_row"]))
+    out[tree_key(steps, topk, tokens)] = measured
+  return out
+
+
+@standard_numpy
 def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
                        max_new_tokens: int = 128, batch_size: int = 8,
                        eos_ids=None) -> dict[str, float]:
@@ -63,22 +92,7 @@ def measure_acceptance(target, drafter, prompts, shapes=DEFAULT_SHAPES, *,
   ended at its first token, so no round ran, has none). This is the measurement, not a
   live decode: ``compare``'s warning is silenced here (one hard prompt at batch 1 falls below
   half of the mean of a record this call is about to replace)."""
-  from eagle3jax.capture_contract import tree_key  # pylint: disable=import-outside-toplevel
-  from eagle3jax.generate import generate  # pylint: disable=import-outside-toplevel
-  from eagle3jax.tree import checked_shape  # pylint: disable=import-outside-toplevel
-  shapes = [checked_shape(s, f"shapes[{i}]") for i, s in enumerate(shapes)]
-  batch_size = checks.integer("batch_size", batch_size, 1)
-  out = {}
-  for steps, topk, tokens in ((s.num_steps, s.topk, s.num_draft_tokens) for s in shapes):
-    rounds, accepted = 0, 0
-    for i in range(0, len(prompts), batch_size):
-      with warnings.catch_warnings():
-        warnings.simplefilter("ignore", AcceptanceWarning)
-        r = generate(target, drafter, prompts[i:i + batch_size],
-                     max_new_tokens=max_new_tokens, num_steps=steps, topk=topk,
-                     num_draft_tokens=tokens, eos_ids=eos_ids)
-      rounds += r.stats["rounds"]
-      accepted += r.stats["accepted"]
-    if rounds:  # every prompt ended at its first token: nothing measured at this shape
-      out[tree_key(steps, topk, tokens)] = round(accepted / rounds, 4)
-  return out
+  per_prompt = measure_acceptance_per_prompt(target, drafter, prompts, shapes,
+                                             max_new_tokens=max_new_tokens,
+                                             batch_size=batch_size, eos_ids=eos_ids)
+  return {k: round(m.length, 4) for k, m in per_prompt.items() if m.length is not None}

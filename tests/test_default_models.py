@@ -174,13 +174,19 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   counted = lambda d: loads.append(d) or real_load(d)  # noqa: E731
   monkeypatch.setattr(demo, "load_demo_target", counted)
   monkeypatch.setattr(mod, "load_demo_target", counted)
-  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--prompts", "2",
-                                    "--shapes", "2,1,3", "--max-new-tokens", "8",
-                                    "--misses", "--json", str(out)])
+  import shutil
+  same = str(tmp_path / "same_drafter")  # a copy: its paired difference is exactly 0
+  shutil.copytree(DEFAULT_DRAFTER, same)
+  monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, same, "--prompts",
+                                    "2", "--shapes", "2,1,3", "--max-new-tokens", "8",
+                                    "--level", "0.9", "--misses", "--json", str(out)])
   assert mod.main() == 0
   assert len(loads) == 1, loads
   printed = capsys.readouterr().out
   assert "| (2, 1, 3) |" in printed
+  assert "2 held-out prompts (seed 99) from 2 files" in printed
+  assert "with its 90% interval (bootstrap over the held-out files)" in printed
+  assert f"| {same} | +0.00 (+0.00 to +0.00) |" in printed
   assert "| target's top-1 minus top-2 logit (nats) |" in printed
   assert "| [2, inf) |" in printed and "| [64, inf) |" in printed
   written = json.loads(out.read_text())
@@ -197,6 +203,19 @@ def test_compare_drafters_measures_each_drafter_on_more_held_out_prompts(tmp_pat
   assert prompts != demo.heldout_prompts(ROOT, TextCodec(DEFAULT_TARGET).tokenizer)[:2]
   assert got == monitor.measure_acceptance(target, drafter, prompts, ((2, 1, 3),),
                                            max_new_tokens=8, eos_ids=[])
+  # The interval and the paired difference are acceptance_stats' on the per-prompt counts.
+  from eagle3jax.acceptance_stats import PromptAcceptance, interval
+  per_prompt = written["per_prompt"][DEFAULT_DRAFTER]["2,1,3"]
+  assert len(per_prompt["rounds"]) == 2 and written["level"] == 0.9 and written["files"] == 2
+  assert written["sources"] == demo.heldout_prompts_with_sources(
+      ROOT, TextCodec(DEFAULT_TARGET).tokenizer, 2, 99)[1]
+  assert written["interval"][DEFAULT_DRAFTER]["2,1,3"] == [
+      round(x, 4) for x in interval(PromptAcceptance(**per_prompt), level=0.9,
+                                    groups=written["sources"])]
+  assert written["per_prompt"][same] == written["per_prompt"][DEFAULT_DRAFTER]
+  assert written["difference"] == {same: {"2,1,3": {"against": DEFAULT_DRAFTER,
+                                                    "difference": 0.0, "low": 0.0,
+                                                    "high": 0.0}}}
   monkeypatch.setattr(sys, "argv", ["compare_drafters.py", DEFAULT_DRAFTER, "--shapes", "7,1"])
   assert mod.main() == 2
   err = capsys.readouterr().err

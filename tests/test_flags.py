@@ -116,6 +116,9 @@ def test_scripts_refuse_a_malformed_list_by_name(script, argv, flag, monkeypatch
     ("scripts/bench.py", ["--max-new-tokens", "1"], "argument --max-new-tokens: 1 must be >= 2"),
     ("scripts/compare_drafters.py", ["d", "--max-new-tokens", "1"],
      "argument --max-new-tokens: 1 must be >= 2"),
+    ("scripts/compare_drafters.py", ["d", "--level", "95"],
+     "argument --level: 95.0 must be between 0 and 1 (e.g. 0.95)"),
+    ("scripts/compare_drafters.py", ["d", "--level", "x"], "argument --level: 'x' is not a number"),
     # A chain drafts steps + 1 tokens whatever it is given: (7, 1, 5) ran (7, 1, 8).
     ("scripts/compare_drafters.py", ["d", "--shapes", "7,1,5;5,4,8"],
      "--shapes=(7, 1, 5): a chain (topk 1) verifies steps + 1 = 8 tokens"),
