@@ -488,11 +488,12 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
   target, tok = load_demo_target(out_dir)
   prompts = prompts_from(tok, train_texts, cfg.draft_prompts, cfg.prompt_len, cfg.seed)
   dcfg = drafter_train_config(cfg)
+  heldout, sources = heldout_prompts_with_sources(out_dir, tok)
   t0 = time.perf_counter()
   with tempfile.TemporaryDirectory() as tmp:
     result = train_drafter(target, prompts, drafter_dir, dcfg,
                            checkpoint_dir=state_dir or tmp, progress=False,
-                           heldout_prompts=heldout_prompts(out_dir, tok),
+                           heldout_prompts=heldout, heldout_sources=sources,
                            heldout_every=cfg.heldout_every,
                            capture=drafter_capture(cfg),
                            drafter_overrides=drafter_overrides(cfg))
@@ -501,8 +502,10 @@ def make_drafter(out_dir: str = DEFAULT_DIR, cfg: DemoConfig = DemoConfig(), log
       f"{result.vocab.coverage:.3f}, last loss {last.get('loss')}, step accuracy "
       f"{last.get('acc')}")
   for point in result.curve:
-    log(f"  held-out acceptance at step {point['step']}: {point['accept_length']:.2f} "
-        f"({point['seconds']:.0f} s)")
+    interval = (f" (95% interval {point['interval'][0]:.2f}-{point['interval'][1]:.2f})"
+                if "interval" in point else "")
+    log(f"  held-out acceptance at step {point['step']}: {point['accept_length']:.2f}"
+        f"{interval} ({point['seconds']:.0f} s)")
   # Stored in bfloat16; the record keeps the acceptance of the stored drafter at batch 1, as
   # the benchmark measures it.
   reexport_drafter(out_dir, cfg, log=log, train_texts=train_texts)
@@ -591,7 +594,12 @@ def plot_curve(curve: list[dict], path: str, title: str = "") -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(figsize=(6, 3.6))
-  ax.plot([p["step"] for p in curve], [p["accept_length"] for p in curve], "o-")
+  steps = [p["step"] for p in curve]
+  ax.plot(steps, [p["accept_length"] for p in curve], "o-", label="acceptance length")
+  if all("interval" in p for p in curve):  # curves written before 2026-12-07 have none
+    ax.fill_between(steps, [p["interval"][0] for p in curve], [p["interval"][1] for p in curve],
+                    alpha=0.2, label="95% interval over the held-out files (bootstrap)")
+    ax.legend(loc="lower right", fontsize=8)
   ax.set_xlabel("training step (8 sequences each)")
   ax.set_ylabel("held-out acceptance length, (7, 1, 8)")
   ax.set_title(title or "drafter learning curve (8 held-out prompts, greedy)")

@@ -188,10 +188,11 @@ def test_make_demo_script_builds_a_pair_that_loads(tmp_path, monkeypatch, caplog
   out, curve = tmp_path / "demo", tmp_path / "curve.json"
   # Shorter held-out measurements than the real demo's (8 prompts x 128 new tokens), so that
   # the test stays short: 2 prompts x 24 tokens.
-  every_prompt, measure = demo.heldout_prompts, monitor.measure_acceptance
-  monkeypatch.setattr(demo, "heldout_prompts",
+  every_prompt = demo.heldout_prompts_with_sources
+  measure = monitor.measure_acceptance_per_prompt  # the curve's, and the record's through it
+  monkeypatch.setattr(demo, "heldout_prompts_with_sources",
                       lambda out_dir, tok, *a, **k: every_prompt(out_dir, tok, 2))
-  monkeypatch.setattr(monitor, "measure_acceptance",
+  monkeypatch.setattr(monitor, "measure_acceptance_per_prompt",
                       lambda *a, **k: measure(*a, **{**k, "max_new_tokens": 24}))
   monkeypatch.setattr(sys, "argv", [
       "make_demo.py", "--out", str(out), "--curve", str(curve), "--vocab-size", "512",
@@ -224,6 +225,10 @@ def test_make_demo_script_builds_a_pair_that_loads(tmp_path, monkeypatch, caplog
     points = json.load(f)["curve"]
   assert [p["step"] for p in points] == [4] and (tmp_path / "curve.png").exists()
   assert 1.0 <= points[0]["accept_length"] <= 8.0
+  assert len(points[0]["rounds"]) == 2 == len(points[0]["accepted"])
+  # The held-out prompts' files: an interval where the two prompts came from two files.
+  two_files = len(set(every_prompt(str(out), tok, 2)[1])) == 2
+  assert ("interval" in points[0]) == two_files
 
 
 def test_make_drafter_names_an_unusable_drafter_folder_before_training(tmp_path):

@@ -718,17 +718,27 @@ def test_export_load_decode_is_lossless(target, data, tmp_path):
                                        "max_position_embeddings=512"):
     eagle3jax.train_drafter(target, prompts, out, dataclasses.replace(CFG, seq_len=513),
                             capture=CAPTURE, progress=False)
+  with pytest.raises(ValueError, match="heldout_sources: 1 sources for 2 held-out prompts"):
+    eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE, progress=False,
+                            heldout_prompts=prompts[:2], heldout_sources=["a.py"])
   assert not os.path.exists(out)
   result = eagle3jax.train_drafter(target, prompts, out, CFG, capture=CAPTURE,
                                    progress=False, heldout_prompts=prompts[:2],
-                                   heldout_every=12, heldout_shape=(3, 1, 4))
-  # The learning curve: held-out acceptance every 12 steps and at the last one.
+                                   heldout_every=12, heldout_shape=(3, 1, 4),
+                                   heldout_sources=["a.py", "b.py"])
+  # The learning curve: held-out acceptance every 12 steps and at the last one, with the
+  # per-prompt counts and their interval over the two sources.
   assert [p["step"] for p in result.curve] == [12, 24, 30]
   assert all(p["accept_length"] >= 1 and p["seconds"] >= 0 for p in result.curve)
   from eagle3jax import monitor
+  from eagle3jax.acceptance_stats import PromptAcceptance, interval
   final = monitor.measure_acceptance(target, result.drafter, prompts[:2], ((3, 1, 4),),
                                      eos_ids=[])
   assert result.curve[-1]["accept_length"] == final["3,1,4"]
+  for p in result.curve:
+    m = PromptAcceptance(p["rounds"], p["accepted"])
+    assert len(m.rounds) == 2 and round(m.length, 4) == p["accept_length"]
+    assert p["interval"] == [round(x, 4) for x in interval(m, groups=["a.py", "b.py"])]
   from eagle3jax.demo import plot_curve
   plot_curve(result.curve, str(tmp_path / "curve.png"))
   assert (tmp_path / "curve.png").stat().st_size > 1000

@@ -633,8 +633,10 @@ def _progress_bar(**kwargs):
 @dataclasses.dataclass
 class TrainResult:
   """What ``train_drafter`` returns: the trained drafter, the step records, the vocab, and the
-  learning curve (``{"step", "accept_length", "seconds"}`` per held-out measurement; empty
-  without ``heldout_every``)."""
+  learning curve (``{"step", "accept_length", "seconds", "rounds", "accepted"}`` per held-out
+  measurement, the last two per prompt, with ``"interval"``, the 95% bootstrap interval of
+  ``accept_length`` (``acceptance_stats``), where the prompts came from 2 sources or more;
+  empty without ``heldout_every``)."""
   drafter: object
   history: list[dict]
   vocab: DraftVocab
@@ -645,6 +647,18 @@ class TrainResult:
 HELDOUT_NEW_TOKENS = 128
 
 
+def _curve_point(step: int, measured, sources, seconds: float) -> dict:
+  """One point of the learning curve: the pooled length (as ``measure_acceptance`` rounds it),
+  its interval where 2 sources or more ran a round, and the per-prompt counts."""
+  from eagle3jax import acceptance_stats  # pylint: disable=import-outside-toplevel
+  point = {"step": step, "accept_length": round(measured.length, 4), "seconds": seconds}
+  units = range(len(measured.rounds)) if sources is None else sources
+  if len({u for u, r in zip(units, measured.rounds) if r}) >= 2:
+    point["interval"] = [round(x, 4) for x in acceptance_stats.interval(measured,
+                                                                         groups=sources)]
+  return {**point, **measured.to_dict()}
+
+
 @standard_numpy
 def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   config: TrainConfig = TrainConfig(), *,
@@ -653,7 +667,8 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
                   drafter_overrides: dict | None = None,
                   heldout_prompts: Sequence[Sequence[int]] | None = None,
                   heldout_every: int = 0,
-                  heldout_shape: tuple[int, int, int] = (7, 1, 8)) -> TrainResult:
+                  heldout_shape: tuple[int, int, int] = (7, 1, 8),
+                  heldout_sources: Sequence | None = None) -> TrainResult:
   """Trains an EAGLE-3 drafter for ``target`` and exports it to ``out_dir``.
 
   Steps: the target regenerates responses to ``prompts`` (saved with the checkpoints so a
@@ -677,6 +692,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
     heldout_every: also measure the held-out acceptance length at ``heldout_shape`` (steps,
       topk, draft tokens) every this many steps and at the end: the learning curve
       (``TrainResult.curve``). 0: only at the end, for the record.
+    heldout_sources: the source (any hashable: a file, a document id) of each held-out prompt;
+      the curve's intervals resample sources, since prompts of one source are not
+      independent. Default: every prompt its own source.
 
   The export carries the capture record (``eagle3jax.capture_contract``): features at the
   first training tokens, so ``load_drafter`` can prove it is served what it was trained on.
@@ -687,6 +705,9 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
   heldout_every = checks.integer("heldout_every", heldout_every, 0)
   if heldout_every and not heldout_prompts:
     raise ValueError(f"heldout_every={heldout_every} needs heldout_prompts")
+  if heldout_sources is not None and len(heldout_sources) != len(heldout_prompts or ()):
+    raise ValueError(f"heldout_sources: {len(heldout_sources)} sources for "
+                     f"{len(heldout_prompts or ())} held-out prompts; pass one per prompt")
   limit = target.config.max_position_embeddings
   if heldout_prompts:
     heldout_prompts = check_prompts(heldout_prompts, target.config.vocab_size,
@@ -781,12 +802,13 @@ def train_drafter(target, prompts: Sequence[Sequence[int]], out_dir: str,
       trainer.train(heldout_every or None, progress=progress)
       if heldout_every:
         steps, topk, tokens = shape.num_steps, shape.topk, shape.num_draft_tokens
-        tau = monitor.measure_acceptance(target, trainer.drafter, heldout_prompts,
-                                         ((steps, topk, tokens),), eos_ids=[],
-                                         max_new_tokens=HELDOUT_NEW_TOKENS)
-        curve.append({"step": trainer.step, "accept_length": tau[tree_key(steps, topk, tokens)],
-                      "seconds": round(time.perf_counter() - t0, 1)})
-        log.info("held-out acceptance at step %d: %s", trainer.step, curve[-1])
+        measured = monitor.measure_acceptance_per_prompt(
+            target, trainer.drafter, heldout_prompts, ((steps, topk, tokens),), eos_ids=[],
+            max_new_tokens=HELDOUT_NEW_TOKENS)[tree_key(steps, topk, tokens)]
+        curve.append(_curve_point(trainer.step, measured, heldout_sources,
+                                  round(time.perf_counter() - t0, 1)))
+        log.info("held-out acceptance at step %d: %s (interval %s)", trainer.step,
+                 curve[-1]["accept_length"], curve[-1].get("interval"))
       if trainer.step >= config.total_steps:
         break
     trainer.save()
