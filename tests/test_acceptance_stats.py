@@ -150,7 +150,8 @@ def test_per_prompt_counts_are_generates_and_pool_to_measure_acceptance():
                                         k: round(m.length, 4) for k, m in per_prompt.items()}
 
 
-@pytest.mark.parametrize("name", ["8prompts", "64prompts", "512prompts"])
+@pytest.mark.parametrize("name", ["8prompts", "64prompts", "512prompts", "two_runs_8prompts",
+                                  "two_runs_512prompts"])
 def test_the_documented_intervals_follow_from_their_counts(name):
   """docs/drafter_intervals_*.json (the README's figures): every length, interval and paired
   difference is what DrafterComparison.summary computes from the file's own per-prompt counts

@@ -74,7 +74,7 @@ def test_shipped_pair_decodes_losslessly():
   assert spec.stats["accept_length_mean"] >= 3.25
   assert "capture record verified" in drafter.capture_explanation
   assert drafter.capture_record.weights  # the record names the weights it vouches for
-  assert spec.stats["accept_length_recorded"] == 4.7014  # held-out, at (5, 1, 6)
+  assert spec.stats["accept_length_recorded"] == 4.7318  # held-out, at (5, 1, 6)
 
 
 def test_shipped_drafter_carries_embedding_and_record_and_refuses_the_seed_rewrite(tmp_path):
