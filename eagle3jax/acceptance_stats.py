@@ -107,6 +107,13 @@ def _resampled_lengths(units: list[tuple[np.ndarray, np.ndarray]], resamples: in
   return [np.concatenate(x) for x in out]
 
 
+def sources_with_rounds(*measured: PromptAcceptance, groups=None) -> int:
+  """How many sources (prompts without ``groups``) have a prompt where every measurement ran a
+  round: ``interval`` and ``paired_difference`` need 2 or more."""
+  units = range(len(measured[0].rounds)) if groups is None else groups
+  return len({u for i, u in enumerate(units) if all(m.rounds[i] for m in measured)})
+
+
 def _with_rounds(*measured: PromptAcceptance, groups=None
                  ) -> list[tuple[np.ndarray, np.ndarray]]:
   """The prompts where every measurement ran a round, as arrays of sums per group (per prompt

@@ -347,7 +347,7 @@ class DrafterComparison:
            "difference": {}}
 
     def files_with_rounds(*ms):
-      return len({f for i, f in enumerate(self.sources) if all(m.rounds[i] for m in ms)})
+      return st.sources_with_rounds(*ms, groups=self.sources)
 
     for d, shapes in self.measured.items():
       out["acceptance"][d] = {k: round(m.length, 4) for k, m in shapes.items()

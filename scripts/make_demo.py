@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Rebuild the shipped demo (models/default) from scratch: corpus manifest, tokenizer, target,
-drafter. Takes about 1 hour 25 to 40 minutes on a 2-core CPU with the defaults, by the
-machine's hour (the target about 42 minutes; the drafter about 42 to 54: regeneration 8 to 10,
-the feature cache 3, the 3500 training steps 30 to 39)."""
+drafter. Takes about 1 hour 20 to 40 minutes on a 2-core CPU with the defaults, by the
+machine and its hour (the target about 42 minutes; the drafter about 38 to 54: regeneration 5
+to 10, the feature cache 2 to 3, the 3500 training steps 30 to 39)."""
 
 import argparse
 import dataclasses

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from eagle3jax import monitor
-from eagle3jax.acceptance_stats import PromptAcceptance, interval, paired_difference
+from eagle3jax.acceptance_stats import (PromptAcceptance, interval, paired_difference,
+                                        sources_with_rounds)
 from tests import engine_helpers as h
 
 
@@ -105,6 +106,10 @@ def test_prompts_of_one_source_are_resampled_together():
   kept_better = PromptAcceptance(better.rounds[1:], better.accepted[1:])
   assert paired_difference(better, gap, groups=files) == paired_difference(
       kept_better, kept, groups=files[1:])
+  assert sources_with_rounds(gap, better, groups=files) == 16
+  assert sources_with_rounds(gap, better) == 127
+  assert sources_with_rounds(PromptAcceptance(gap.rounds[:8], gap.accepted[:8]),
+                             groups=files[:8]) == 1
   with pytest.raises(ValueError, match=r"groups: 3 sources for 128 prompts"):
     interval(copies, groups=files[:3])
   with pytest.raises(ValueError, match=r"at least 2 sources that ran a round \(got 1; 8 of 8"):

@@ -652,8 +652,7 @@ def _curve_point(step: int, measured, sources, seconds: float) -> dict:
   its interval where 2 sources or more ran a round, and the per-prompt counts."""
   from eagle3jax import acceptance_stats  # pylint: disable=import-outside-toplevel
   point = {"step": step, "accept_length": round(measured.length, 4), "seconds": seconds}
-  units = range(len(measured.rounds)) if sources is None else sources
-  if len({u for u, r in zip(units, measured.rounds) if r}) >= 2:
+  if acceptance_stats.sources_with_rounds(measured, groups=sources) >= 2:
     point["interval"] = [round(x, 4) for x in acceptance_stats.interval(measured,
                                                                          groups=sources)]
   return {**point, **measured.to_dict()}
